@@ -1,0 +1,167 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
+"""Thin Cython layer over the C kernels (csrc/). No validation beyond what typed memoryviews enforce
+(dtype, C-contiguity, writability): the public checks with readable messages live in __init__.py.
+The GIL is released around every kernel call; the kernels run their own OpenMP threads."""
+from libc.stdint cimport int64_t, uint16_t
+
+cdef extern from "adam.h" nogil:
+    ctypedef struct socx_hparams:
+        int64_t step
+        double lr, beta1, beta2, eps, weight_decay
+        int decoupled
+        double grad_scale
+    ctypedef struct socx_buffers:
+        int64_t n
+        const float *p_in
+        const float *m_in
+        const float *v_in
+        float *p_out
+        float *m_out
+        float *v_out
+        const float *g_f32
+        const uint16_t *g_bf16
+        uint16_t *p_bf16_out
+    ctypedef struct socx_stats:
+        double sumsq
+        int nonfinite
+    socx_stats socx_adam_step(const socx_buffers *b, const socx_hparams *h)
+    int socx_adam_rollback(const socx_buffers *b, const socx_hparams *h)
+    socx_stats socx_grad_stats(const float *g_f32, const uint16_t *g_bf16, int64_t n)
+    void socx_copy_ceiling(const socx_buffers *b)
+    void socx_set_num_threads(int n)
+    int socx_get_num_threads()
+    int socx_isa_available(int isa)
+    int socx_current_isa()
+    int socx_force_isa(int isa)
+    const char *socx_isa_name(int isa)
+    int SOCX_ISA_COUNT
+
+cdef extern from *:
+    """
+    #ifndef SOCX_BUILD_FLAGS
+    #define SOCX_BUILD_FLAGS "unknown"
+    #endif
+    #ifdef _OPENMP
+    #define SOCX_OPENMP _OPENMP
+    #else
+    #define SOCX_OPENMP 0
+    #endif
+    #ifdef __VERSION__
+    #define SOCX_COMPILER __VERSION__
+    #else
+    #define SOCX_COMPILER "unknown"
+    #endif
+    """
+    const char *SOCX_BUILD_FLAGS
+    int SOCX_OPENMP
+    const char *SOCX_COMPILER
+
+
+cdef void _fill(socx_buffers *b, const float[::1] p, const float[::1] m, const float[::1] v,
+                const float[::1] g32, const uint16_t[::1] g16, float[::1] p_out, float[::1] m_out,
+                float[::1] v_out, uint16_t[::1] p16_out):
+    # every array has n >= 1 elements here (the Python layer returns early on empty tensors)
+    b.n = p.shape[0]
+    b.p_in = &p[0]
+    b.m_in = &m[0]
+    b.v_in = &v[0]
+    b.p_out = &p_out[0]
+    b.m_out = &m_out[0]
+    b.v_out = &v_out[0]
+    b.g_f32 = &g32[0] if g32 is not None else NULL
+    b.g_bf16 = &g16[0] if g16 is not None else NULL
+    b.p_bf16_out = &p16_out[0] if p16_out is not None else NULL
+
+
+cdef socx_hparams _hp(int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
+                      bint decoupled, double grad_scale):
+    cdef socx_hparams h
+    h.step = step
+    h.lr = lr
+    h.beta1 = beta1
+    h.beta2 = beta2
+    h.eps = eps
+    h.weight_decay = weight_decay
+    h.decoupled = decoupled
+    h.grad_scale = grad_scale
+    return h
+
+
+def step(const float[::1] p, const float[::1] m, const float[::1] v, const float[::1] g32,
+         const uint16_t[::1] g16, float[::1] p_out, float[::1] m_out, float[::1] v_out,
+         uint16_t[::1] p16_out, int64_t step, double lr, double beta1, double beta2, double eps,
+         double weight_decay, bint decoupled, double grad_scale):
+    cdef socx_buffers b
+    cdef socx_hparams h = _hp(step, lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale)
+    cdef socx_stats st
+    _fill(&b, p, m, v, g32, g16, p_out, m_out, v_out, p16_out)
+    with nogil:
+        st = socx_adam_step(&b, &h)
+    return st.sumsq, bool(st.nonfinite)
+
+
+def rollback(float[::1] p, float[::1] m, float[::1] v, const float[::1] g32, const uint16_t[::1] g16,
+             int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
+             bint decoupled, double grad_scale):
+    cdef socx_buffers b
+    cdef socx_hparams h = _hp(step, lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale)
+    cdef int rc
+    _fill(&b, p, m, v, g32, g16, p, m, v, None)
+    with nogil:
+        rc = socx_adam_rollback(&b, &h)
+    return rc
+
+
+def grad_stats(const float[::1] g32, const uint16_t[::1] g16):
+    cdef socx_stats st
+    cdef int64_t n = g32.shape[0] if g32 is not None else g16.shape[0]
+    cdef const float *a = &g32[0] if g32 is not None else NULL
+    cdef const uint16_t *c = &g16[0] if g16 is not None else NULL
+    with nogil:
+        st = socx_grad_stats(a, c, n)
+    return st.sumsq, bool(st.nonfinite)
+
+
+def copy_ceiling(const float[::1] p, const float[::1] m, const float[::1] v, const float[::1] g32,
+                 const uint16_t[::1] g16, float[::1] p_out, float[::1] m_out, float[::1] v_out,
+                 uint16_t[::1] p16_out):
+    cdef socx_buffers b
+    _fill(&b, p, m, v, g32, g16, p_out, m_out, v_out, p16_out)
+    with nogil:
+        socx_copy_ceiling(&b)
+
+
+def set_num_threads(int n):
+    socx_set_num_threads(n)
+
+
+def get_num_threads():
+    return socx_get_num_threads()
+
+
+def isa_names():
+    """All paths this build knows, lowest first, and whether each is usable here."""
+    return [(socx_isa_name(i).decode(), bool(socx_isa_available(i))) for i in range(SOCX_ISA_COUNT)]
+
+
+def current_isa():
+    return socx_isa_name(socx_current_isa()).decode()
+
+
+def force_isa(str name):
+    for i in range(SOCX_ISA_COUNT):
+        if socx_isa_name(i).decode() == name:
+            return socx_force_isa(i) == 0
+    return False
+
+
+def build_flags():
+    return SOCX_BUILD_FLAGS.decode()
+
+
+def openmp_version():
+    return SOCX_OPENMP
+
+
+def compiler():
+    return SOCX_COMPILER.decode()

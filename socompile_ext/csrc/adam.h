@@ -1,0 +1,86 @@
+/* socompile_ext: CPU Adam/AdamW kernels, public C interface.
+ *
+ * One pass over the parameters does the whole optimizer step: it reads p, g, m, v and writes p, m, v
+ * (and optionally a bf16 copy of p), and on the way it sums the squares of the (scaled) gradient and
+ * notices non-finite values, which the speculation-then-validation runtime needs per bucket.
+ *
+ * Everything here is plain C11 so the same kernels build for x86-64 and aarch64 and can be tested
+ * under qemu without Python (see tests/aarch64_harness.c).
+ */
+#ifndef SOCX_ADAM_H
+#define SOCX_ADAM_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Instruction-set paths, lowest first. A path is usable when the CPU reports it at run time. */
+enum socx_isa {
+    SOCX_ISA_SCALAR = 0,
+    SOCX_ISA_AVX2 = 1,
+    SOCX_ISA_AVX512 = 2,
+    SOCX_ISA_NEON = 3,
+    SOCX_ISA_SVE = 4,
+    SOCX_ISA_COUNT = 5
+};
+
+/* Hyper-parameters as the caller gives them (Python floats are doubles). The kernel turns them into
+ * fp32 constants exactly as torch does when it applies a Python scalar to an fp32 tensor. */
+typedef struct {
+    int64_t step;          /* 1-based step count; bias correction is computed from it at each call */
+    double lr, beta1, beta2, eps, weight_decay;
+    int decoupled;         /* 1: AdamW (p *= 1 - lr*wd); 0: Adam (g += wd*p) */
+    double grad_scale;     /* gradient multiplier applied before anything else (clip coefficient) */
+} socx_hparams;
+
+/* Buffers of one step. Inputs are read; outputs are written. An output may equal its input (in-place
+ * step) or be a different buffer (ping-pong: the inputs are then left untouched). Partial overlap is
+ * the caller's bug (the Python layer rejects it). */
+typedef struct {
+    int64_t n;
+    const float *p_in, *m_in, *v_in;
+    float *p_out, *m_out, *v_out;
+    const float *g_f32;      /* exactly one of g_f32 / g_bf16 is non-NULL */
+    const uint16_t *g_bf16;
+    uint16_t *p_bf16_out;    /* optional: bf16 copy of the updated parameter, RNE rounded */
+} socx_buffers;
+
+/* Result of a pass over a gradient: sum of squares (in double) and whether anything was non-finite. */
+typedef struct {
+    double sumsq;
+    int nonfinite;
+} socx_stats;
+
+/* The Adam/AdamW step. Returns the gradient statistics of the scaled gradient. Thread-count
+ * independent: parameters, state and the returned sum are bitwise identical for any thread count. */
+socx_stats socx_adam_step(const socx_buffers *b, const socx_hparams *h);
+
+/* Algebraic inverse of socx_adam_step on (p, m, v) in place, given the same gradient, hparams and step.
+ * Computed in double; v clamped at >= 0. Not bitwise: see docs/kernel.md. Returns 0, or -1 when the
+ * step cannot be inverted (beta1 == 0, beta2 == 0, or a decoupled decay factor of 0). */
+int socx_adam_rollback(const socx_buffers *b, const socx_hparams *h);
+
+/* Sum of squares and non-finite flag of a gradient (one of g_f32 / g_bf16 non-NULL). */
+socx_stats socx_grad_stats(const float *g_f32, const uint16_t *g_bf16, int64_t n);
+
+/* Memory-traffic ceiling: reads p, g, m, v and writes p_out, m_out, v_out (and p_bf16_out when given)
+ * with the same store policy as the step, and no floating-point arithmetic. For benchmarks only. */
+void socx_copy_ceiling(const socx_buffers *b);
+
+/* Threads used by the kernels (default: OpenMP's max threads at first use). */
+void socx_set_num_threads(int n);
+int socx_get_num_threads(void);
+
+/* ISA selection: the best available path is chosen at first use; socx_force_isa picks another usable
+ * one (returns -1 if that path is not usable on this CPU or not compiled in). */
+int socx_isa_available(int isa);
+int socx_current_isa(void);
+int socx_force_isa(int isa);
+const char *socx_isa_name(int isa);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,158 @@
+/* AVX-512 path (F + BW + VL + DQ: Skylake-SP, Ice Lake, Sapphire Rapids, Zen 4 and later).
+ *
+ * Compiled with the baseline flags of the build like every file; the target pragma below enables the
+ * instructions for this file only, and the dispatcher calls into it only when the CPU reports them, so
+ * one binary runs on any x86-64. 16 fp32 elements per iteration; the tail of a block uses masked loads and
+ * stores, so every element goes through the same vector arithmetic. */
+#if defined(__x86_64__) || defined(_M_X64)
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,bmi2")
+#include <immintrin.h>
+
+#include "adam_internal.h"
+
+#define AI static inline __attribute__((always_inline))
+
+AI __m512 bf16_to_f32_16(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Same rounding as socx_f32_to_bf16: RNE via the integer bias, every NaN -> 0xFFFF. */
+AI __m256i f32_to_bf16_16(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    __mmask16 ordered = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
+    r = _mm512_mask_blend_epi32(ordered, _mm512_set1_epi32(0xFFFF), r);
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* One vector of the step. FULL: all 16 lanes, plain (or streaming) loads/stores; otherwise lanes in k. */
+AI void step16(const socx_buffers *b, const socx_consts *c, int64_t i, __mmask16 k, const int FULL,
+               const int GBF16, const int OUT16, const int STREAM, __m512d *acc_lo, __m512d *acc_hi) {
+    __m512 g, p, m, v;
+    if (FULL) {
+        g = GBF16 ? bf16_to_f32_16(_mm256_loadu_si256((const __m256i *)(b->g_bf16 + i))) : _mm512_loadu_ps(b->g_f32 + i);
+        p = _mm512_loadu_ps(b->p_in + i);
+        m = _mm512_loadu_ps(b->m_in + i);
+        v = _mm512_loadu_ps(b->v_in + i);
+    } else {
+        g = GBF16 ? bf16_to_f32_16(_mm256_maskz_loadu_epi16(k, b->g_bf16 + i)) : _mm512_maskz_loadu_ps(k, b->g_f32 + i);
+        p = _mm512_maskz_loadu_ps(k, b->p_in + i);
+        m = _mm512_maskz_loadu_ps(k, b->m_in + i);
+        v = _mm512_maskz_loadu_ps(k, b->v_in + i);
+    }
+    g = _mm512_mul_ps(g, _mm512_set1_ps(c->gscale));
+    /* squares in double; masked-off lanes hold +0 and add nothing */
+    __m512d glo = _mm512_cvtps_pd(_mm512_castps512_ps256(g));
+    __m512d ghi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(g), 1)));
+    *acc_lo = _mm512_add_pd(*acc_lo, _mm512_mul_pd(glo, glo));
+    *acc_hi = _mm512_add_pd(*acc_hi, _mm512_mul_pd(ghi, ghi));
+
+    if (c->use_l2) g = _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(c->l2), p));
+    p = _mm512_mul_ps(p, _mm512_set1_ps(c->decay));
+    __m512 d = _mm512_sub_ps(g, m);
+    if (c->lerp_small)
+        m = _mm512_add_ps(m, _mm512_mul_ps(_mm512_set1_ps(c->w1), d));
+    else
+        m = _mm512_sub_ps(g, _mm512_mul_ps(d, _mm512_set1_ps(c->omw1)));
+    v = _mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(c->b2)), _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(c->omb2), g), g));
+    __m512 den = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), _mm512_set1_ps(c->bc2s)), _mm512_set1_ps(c->eps));
+    p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(c->step_size), m), den));
+
+    if (FULL && STREAM) {
+        _mm512_stream_ps(b->p_out + i, p);
+        _mm512_stream_ps(b->m_out + i, m);
+        _mm512_stream_ps(b->v_out + i, v);
+    } else if (FULL) {
+        _mm512_storeu_ps(b->p_out + i, p);
+        _mm512_storeu_ps(b->m_out + i, m);
+        _mm512_storeu_ps(b->v_out + i, v);
+    } else {
+        _mm512_mask_storeu_ps(b->p_out + i, k, p);
+        _mm512_mask_storeu_ps(b->m_out + i, k, m);
+        _mm512_mask_storeu_ps(b->v_out + i, k, v);
+    }
+    if (OUT16) {
+        __m256i h = f32_to_bf16_16(p);
+        if (FULL && c->stream_bf16)
+            _mm256_stream_si256((__m256i *)(b->p_bf16_out + i), h);
+        else if (FULL)
+            _mm256_storeu_si256((__m256i *)(b->p_bf16_out + i), h);
+        else
+            _mm256_mask_storeu_epi16(b->p_bf16_out + i, k, h);
+    }
+}
+
+AI double step_impl(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1, const int GBF16,
+                    const int OUT16, const int STREAM) {
+    __m512d acc_lo = _mm512_setzero_pd(), acc_hi = _mm512_setzero_pd();
+    int64_t i = i0;
+    for (; i + 16 <= i1; i += 16) step16(b, c, i, 0xFFFF, 1, GBF16, OUT16, STREAM, &acc_lo, &acc_hi);
+    if (i < i1) {
+        __mmask16 k = (__mmask16)((1u << (i1 - i)) - 1u);
+        step16(b, c, i, k, 0, GBF16, OUT16, STREAM, &acc_lo, &acc_hi);
+    }
+    if (STREAM || (OUT16 && c->stream_bf16)) _mm_sfence();
+    double lanes[16];
+    _mm512_storeu_pd(lanes, acc_lo);
+    _mm512_storeu_pd(lanes + 8, acc_hi);
+    return socx_reduce16(lanes);
+}
+
+double socx_step_avx512(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1) {
+    const int gb = b->g_bf16 != NULL, o16 = b->p_bf16_out != NULL, st = c->stream;
+    /* constant flags let the compiler build one loop per combination, with no per-element branches on them */
+    if (!gb && !o16) return st ? step_impl(b, c, i0, i1, 0, 0, 1) : step_impl(b, c, i0, i1, 0, 0, 0);
+    if (!gb && o16) return st ? step_impl(b, c, i0, i1, 0, 1, 1) : step_impl(b, c, i0, i1, 0, 1, 0);
+    if (gb && !o16) return st ? step_impl(b, c, i0, i1, 1, 0, 1) : step_impl(b, c, i0, i1, 1, 0, 0);
+    return st ? step_impl(b, c, i0, i1, 1, 1, 1) : step_impl(b, c, i0, i1, 1, 1, 0);
+}
+
+double socx_sumsq_avx512(const float *g32, const uint16_t *g16, int64_t i0, int64_t i1) {
+    __m512d acc_lo = _mm512_setzero_pd(), acc_hi = _mm512_setzero_pd();
+    for (int64_t i = i0; i < i1; i += 16) {
+        __mmask16 k = (i + 16 <= i1) ? (__mmask16)0xFFFF : (__mmask16)((1u << (i1 - i)) - 1u);
+        __m512 g = g32 ? _mm512_maskz_loadu_ps(k, g32 + i) : bf16_to_f32_16(_mm256_maskz_loadu_epi16(k, g16 + i));
+        __m512d glo = _mm512_cvtps_pd(_mm512_castps512_ps256(g));
+        __m512d ghi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(g), 1)));
+        acc_lo = _mm512_add_pd(acc_lo, _mm512_mul_pd(glo, glo));
+        acc_hi = _mm512_add_pd(acc_hi, _mm512_mul_pd(ghi, ghi));
+    }
+    double lanes[16];
+    _mm512_storeu_pd(lanes, acc_lo);
+    _mm512_storeu_pd(lanes + 8, acc_hi);
+    return socx_reduce16(lanes);
+}
+
+/* Ceiling: the step's loads and stores, integer moves only (v_out = v ^ (g & zero), zero known only at run
+ * time so the gradient stream is really read). */
+void socx_copy_avx512(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1) {
+    const __m512i zero = _mm512_set1_epi32(c->use_l2);
+    for (int64_t i = i0; i < i1; i += 16) {
+        const int full = i + 16 <= i1;
+        __mmask16 k = full ? (__mmask16)0xFFFF : (__mmask16)((1u << (i1 - i)) - 1u);
+        __m512i g = b->g_f32 ? _mm512_maskz_loadu_epi32(k, b->g_f32 + i)
+                             : _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, b->g_bf16 + i));
+        __m512i p = _mm512_maskz_loadu_epi32(k, b->p_in + i);
+        __m512i m = _mm512_maskz_loadu_epi32(k, b->m_in + i);
+        __m512i v = _mm512_xor_si512(_mm512_maskz_loadu_epi32(k, b->v_in + i), _mm512_and_si512(g, zero));
+        if (full && c->stream) {
+            _mm512_stream_si512((__m512i *)(b->p_out + i), p);
+            _mm512_stream_si512((__m512i *)(b->m_out + i), m);
+            _mm512_stream_si512((__m512i *)(b->v_out + i), v);
+        } else {
+            _mm512_mask_storeu_epi32(b->p_out + i, k, p);
+            _mm512_mask_storeu_epi32(b->m_out + i, k, m);
+            _mm512_mask_storeu_epi32(b->v_out + i, k, v);
+        }
+        if (b->p_bf16_out) {
+            __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(p, 16));
+            if (full && c->stream_bf16)
+                _mm256_stream_si256((__m256i *)(b->p_bf16_out + i), h);
+            else
+                _mm256_mask_storeu_epi16(b->p_bf16_out + i, k, h);
+        }
+    }
+    if (c->stream || (b->p_bf16_out && c->stream_bf16)) _mm_sfence();
+}
+#endif

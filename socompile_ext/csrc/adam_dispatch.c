@@ -1,0 +1,263 @@
+/* Run-time ISA selection and the OpenMP driver around the per-ISA block kernels.
+ *
+ * Built with the target's baseline flags only: this file must run on any CPU of the architecture, and it
+ * calls a vector path only after the CPU (and the OS, for the AVX state) reported that path usable.
+ *
+ * Work split: the tensor is cut into SOCX_BLOCK-element blocks; thread t of T takes the contiguous block
+ * range [nb*t/T, nb*(t+1)/T) (static, contiguous: each thread streams one region, which suits hardware
+ * prefetchers and first-touch NUMA placement). Every block's gradient sum of squares is stored and the
+ * sums are added in block order afterwards, so results do not depend on the thread count.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <stdlib.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMD
+#define HWCAP_ASIMD (1UL << 1)
+#endif
+#ifndef HWCAP_SVE
+#define HWCAP_SVE (1UL << 22)
+#endif
+#endif
+
+#include "adam_internal.h"
+
+/* Outputs at least this long (elements) that are separate buffers get non-temporal stores: a normal store
+ * to a line not in cache first reads it (read-for-ownership), which would make a ping-pong step move 40
+ * bytes per parameter instead of 28. Below it the outputs are likely cache-resident and normal stores win. */
+#define SOCX_STREAM_MIN (1 << 17)
+
+typedef struct {
+    socx_step_fn step;
+    socx_sumsq_fn sumsq;
+    socx_copy_fn copy;
+} socx_table;
+
+static const socx_table k_tables[SOCX_ISA_COUNT] = {
+    [SOCX_ISA_SCALAR] = {socx_step_scalar, socx_sumsq_scalar, socx_copy_scalar},
+#if defined(__x86_64__) || defined(_M_X64)
+    [SOCX_ISA_AVX2] = {socx_step_avx2, socx_sumsq_avx2, socx_copy_avx2},
+    [SOCX_ISA_AVX512] = {socx_step_avx512, socx_sumsq_avx512, socx_copy_avx512},
+#endif
+#if defined(__aarch64__)
+    [SOCX_ISA_NEON] = {socx_step_neon, socx_sumsq_neon, socx_copy_neon},
+    [SOCX_ISA_SVE] = {socx_step_sve, socx_sumsq_sve, socx_copy_sve},
+#endif
+};
+
+static const char *const k_names[SOCX_ISA_COUNT] = {"scalar", "avx2", "avx512", "neon", "sve"};
+
+static int g_isa = -1;     /* selected path; -1 until first use */
+static int g_threads = 0;  /* 0: OpenMP's default at the time of the call */
+
+const char *socx_isa_name(int isa) {
+    return (isa >= 0 && isa < SOCX_ISA_COUNT) ? k_names[isa] : "unknown";
+}
+
+int socx_isa_available(int isa) {
+    if (isa < 0 || isa >= SOCX_ISA_COUNT || k_tables[isa].step == NULL) return 0;
+    switch (isa) {
+    case SOCX_ISA_SCALAR:
+        return 1;
+#if defined(__x86_64__) || defined(_M_X64)
+    /* __builtin_cpu_supports also checks that the OS saves the wide register state (XGETBV) */
+    case SOCX_ISA_AVX2:
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case SOCX_ISA_AVX512:
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#endif
+#if defined(__aarch64__) && defined(__linux__)
+    case SOCX_ISA_NEON:
+        return (getauxval(AT_HWCAP) & HWCAP_ASIMD) != 0;
+    case SOCX_ISA_SVE:
+        return (getauxval(AT_HWCAP) & HWCAP_SVE) != 0;
+#endif
+    default:
+        return 0;
+    }
+}
+
+static int best_isa(void) {
+    static const int order[] = {SOCX_ISA_AVX512, SOCX_ISA_SVE, SOCX_ISA_AVX2, SOCX_ISA_NEON, SOCX_ISA_SCALAR};
+    for (unsigned k = 0; k < sizeof order / sizeof order[0]; k++)
+        if (socx_isa_available(order[k])) return order[k];
+    return SOCX_ISA_SCALAR;
+}
+
+int socx_current_isa(void) {
+    if (g_isa < 0) g_isa = best_isa();  /* idempotent, so a race between first callers is harmless */
+    return g_isa;
+}
+
+int socx_force_isa(int isa) {
+    if (!socx_isa_available(isa)) return -1;
+    g_isa = isa;
+    return 0;
+}
+
+void socx_set_num_threads(int n) { g_threads = n > 0 ? n : 0; }
+
+int socx_get_num_threads(void) {
+    if (g_threads > 0) return g_threads;
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+static const socx_table *table(void) { return &k_tables[socx_current_isa()]; }
+
+static int aligned64(const void *p) { return ((uintptr_t)p & 63u) == 0; }
+
+/* fp32 constants exactly as torch forms them: the scalar math in double (Python floats), rounded to fp32
+ * where it meets an fp32 tensor. */
+static void make_consts(const socx_buffers *b, const socx_hparams *h, socx_consts *c) {
+    double bc1 = 1.0 - pow(h->beta1, (double)h->step);
+    double bc2 = 1.0 - pow(h->beta2, (double)h->step);
+    double w1 = 1.0 - h->beta1;
+    c->gscale = (float)h->grad_scale;
+    c->use_l2 = !h->decoupled && h->weight_decay != 0.0;
+    c->l2 = (float)h->weight_decay;
+    c->decay = h->decoupled ? (float)(1.0 - h->lr * h->weight_decay) : 1.0f;
+    c->w1 = (float)w1;
+    c->omw1 = 1.0f - c->w1;
+    c->lerp_small = fabs(w1) < 0.5;
+    c->b2 = (float)h->beta2;
+    c->omb2 = (float)(1.0 - h->beta2);
+    c->bc2s = (float)sqrt(bc2);
+    c->step_size = (float)(h->lr / bc1);
+    c->eps = (float)h->eps;
+    int big = b->n >= SOCX_STREAM_MIN;
+    c->stream = big && b->p_out != b->p_in && b->m_out != b->m_in && b->v_out != b->v_in &&
+                aligned64(b->p_out) && aligned64(b->m_out) && aligned64(b->v_out);
+    c->stream_bf16 = big && b->p_bf16_out != NULL && aligned64(b->p_bf16_out);
+}
+
+static int threads_for(int64_t nblocks) {
+    int nt = socx_get_num_threads();
+    if ((int64_t)nt > nblocks) nt = (int)nblocks;
+    return nt < 1 ? 1 : nt;
+}
+
+#define PARTIALS_ON_STACK 256
+
+/* Runs fn over every block, in per-thread contiguous ranges, and returns the in-order sum of the blocks'
+ * results. kind 0: step, 1: sum of squares. */
+static double run_blocks(int kind, const socx_buffers *b, const socx_consts *c, const float *g32,
+                         const uint16_t *g16, int64_t n) {
+    const socx_table *t = table();
+    int64_t nblocks = (n + SOCX_BLOCK - 1) / SOCX_BLOCK;
+    double stack_part[PARTIALS_ON_STACK];
+    double *part = nblocks <= PARTIALS_ON_STACK ? stack_part : (double *)malloc((size_t)nblocks * sizeof(double));
+    int nt = part ? threads_for(nblocks) : 1;
+    double total = 0.0;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt) if (nt > 1)
+#endif
+    {
+#ifdef _OPENMP
+        int tid = omp_get_thread_num(), T = omp_get_num_threads();
+#else
+        int tid = 0, T = 1;
+#endif
+        int64_t k0 = nblocks * tid / T, k1 = nblocks * (tid + 1) / T;
+        for (int64_t k = k0; k < k1; k++) {
+            int64_t i0 = k * SOCX_BLOCK, i1 = i0 + SOCX_BLOCK < n ? i0 + SOCX_BLOCK : n;
+            double s = kind == 0 ? t->step(b, c, i0, i1) : t->sumsq(g32, g16, i0, i1);
+            if (part)
+                part[k] = s;
+            else
+                total += s;  /* out of memory for the partials: one thread, same order, same result */
+        }
+    }
+    if (part) {
+        for (int64_t k = 0; k < nblocks; k++) total += part[k];
+        if (part != stack_part) free(part);
+    }
+    return total;
+}
+
+socx_stats socx_adam_step(const socx_buffers *b, const socx_hparams *h) {
+    socx_stats st = {0.0, 0};
+    if (b->n <= 0) return st;
+    socx_consts c;
+    make_consts(b, h, &c);
+    st.sumsq = run_blocks(0, b, &c, NULL, NULL, b->n);
+    /* A sum of squares of fp32 values cannot overflow a double (2^63 * FLT_MAX^2 < DBL_MAX), so it is
+     * non-finite exactly when some scaled gradient element is Inf or NaN. */
+    st.nonfinite = !isfinite(st.sumsq);
+    return st;
+}
+
+socx_stats socx_grad_stats(const float *g32, const uint16_t *g16, int64_t n) {
+    socx_stats st = {0.0, 0};
+    if (n <= 0) return st;
+    st.sumsq = run_blocks(1, NULL, NULL, g32, g16, n);
+    st.nonfinite = !isfinite(st.sumsq);
+    return st;
+}
+
+void socx_copy_ceiling(const socx_buffers *b) {
+    if (b->n <= 0) return;
+    socx_hparams h = {1, 0.0, 0.9, 0.999, 1e-8, 0.0, 1, 1.0};
+    socx_consts c;
+    make_consts(b, &h, &c);
+    c.use_l2 = 0;  /* read by the copy kernels as the run-time zero mask */
+    const socx_table *t = table();
+    int64_t n = b->n, nblocks = (n + SOCX_BLOCK - 1) / SOCX_BLOCK;
+    int nt = threads_for(nblocks);
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt) if (nt > 1)
+#endif
+    {
+#ifdef _OPENMP
+        int tid = omp_get_thread_num(), T = omp_get_num_threads();
+#else
+        int tid = 0, T = 1;
+#endif
+        int64_t k0 = nblocks * tid / T, k1 = nblocks * (tid + 1) / T;
+        int64_t i0 = k0 * SOCX_BLOCK, i1 = k1 * SOCX_BLOCK < n ? k1 * SOCX_BLOCK : n;
+        if (i0 < i1) t->copy(b, &c, i0, i1);
+    }
+}
+
+/* The inverse runs in double on the fp32 constants the step actually used, so what it undoes is the
+ * step's own arithmetic; only the roundings of the step are lost (see docs/kernel.md for the bound). */
+int socx_adam_rollback(const socx_buffers *b, const socx_hparams *h) {
+    if (h->beta1 == 0.0 || h->beta2 == 0.0) return -1;
+    if (b->n <= 0) return 0;
+    socx_consts c;
+    make_consts(b, h, &c);
+    if (c.decay == 0.0f || c.omw1 == 0.0f || c.w1 == 1.0f) return -1;
+    const double gscale = c.gscale, l2 = c.l2, decay = c.decay, w1 = c.w1, omw1 = c.omw1, b2 = c.b2,
+                 omb2 = c.omb2, bc2s = c.bc2s, ss = c.step_size, eps = c.eps;
+    const int use_l2 = c.use_l2, small = c.lerp_small;
+    const int64_t n = b->n;
+    const int nt = threads_for((n + SOCX_BLOCK - 1) / SOCX_BLOCK);
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+#endif
+    for (int64_t i = 0; i < n; i++) {
+        /* the scaled gradient exactly as the step formed it (an fp32 product) */
+        double g = (double)(socx_load_grad(b, i) * (float)gscale);
+        double p1 = b->p_in[i], m1 = b->m_in[i], v1 = b->v_in[i];
+        double den = sqrt(v1) / bc2s + eps;
+        double p0 = (p1 + ss * m1 / den) / decay;
+        if (use_l2) g += l2 * p0;
+        /* forward: small weight m1 = m0 + w1 (g - m0); otherwise m1 = g - (g - m0)(1 - w1) */
+        double m0 = small ? (m1 - w1 * g) / (1.0 - w1) : g - (g - m1) / omw1;
+        double v0 = (v1 - omb2 * g * g) / b2;
+        if (v0 < 0.0) v0 = 0.0;
+        b->p_out[i] = (float)p0;
+        b->m_out[i] = (float)m0;
+        b->v_out[i] = (float)v0;
+    }
+    return 0;
+}

@@ -1,0 +1,121 @@
+/* SVE path (Neoverse V1/V2 e.g. Graviton3, Grace; A64FX). Vector-length agnostic: one vector of
+ * svcntw() elements per iteration, the block tail handled by the loop predicate, so every element goes
+ * through the same vector arithmetic. Enabled for this file by the target pragma and called only when
+ * the kernel reports HWCAP_SVE. Non-temporal stores (STNT1) for ping-pong outputs, as on x86.
+ *
+ * The parameters, moments and bf16 output are bitwise identical to the other paths. The sum of squares
+ * uses even/odd double lanes whose number depends on the vector length, so it may differ from the
+ * 16-lane paths in the last bits (tests/aarch64_harness.c checks it to 1e-12 relative). */
+#if defined(__aarch64__)
+#pragma GCC target("+sve")
+#include <arm_sve.h>
+
+#include "adam_internal.h"
+
+#define AI static inline __attribute__((always_inline))
+
+/* zero-extending 16->32 load; inactive lanes read as 0 */
+AI svfloat32_t bf16_to_f32(svbool_t pg, const uint16_t *src) {
+    return svreinterpret_f32_u32(svlsl_n_u32_x(pg, svld1uh_u32(pg, src), 16));
+}
+
+/* Same rounding as socx_f32_to_bf16: RNE via the integer bias, every NaN -> 0xFFFF (32-bit lanes). */
+AI svuint32_t f32_to_bf16(svbool_t pg, svfloat32_t x) {
+    svuint32_t u = svreinterpret_u32_f32(x);
+    svuint32_t lsb = svand_n_u32_x(pg, svlsr_n_u32_x(pg, u, 16), 1);
+    svuint32_t r = svlsr_n_u32_x(pg, svadd_u32_x(pg, svadd_n_u32_x(pg, u, 0x7FFF), lsb), 16);
+    return svsel_u32(svcmpuo_f32(pg, x, x), svdup_n_u32(0xFFFF), r);
+}
+
+/* squares of all lanes of g (inactive lanes must be +0) into the even/odd double accumulators */
+AI void sq_acc(svfloat32_t g, svfloat64_t *ev, svfloat64_t *od) {
+    const svbool_t all = svptrue_b64();
+    svfloat64_t e = svcvt_f64_f32_x(all, g);  /* the even-numbered 32-bit lanes */
+    svfloat64_t o = svcvt_f64_f32_x(all, svreinterpret_f32_u64(svlsr_n_u64_x(all, svreinterpret_u64_f32(g), 32)));
+    *ev = svadd_f64_x(all, *ev, svmul_f64_x(all, e, e));
+    *od = svadd_f64_x(all, *od, svmul_f64_x(all, o, o));
+}
+
+AI double finish(svfloat64_t ev, svfloat64_t od) {
+    const svbool_t all = svptrue_b64();
+    return svadda_f64(all, svadda_f64(all, 0.0, ev), od);  /* strictly ordered: deterministic */
+}
+
+AI double step_impl(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1, const int GBF16,
+                    const int OUT16, const int STREAM) {
+    svfloat64_t ev = svdup_n_f64(0.0), od = svdup_n_f64(0.0);
+    const svfloat32_t gscale = svdup_n_f32(c->gscale), l2 = svdup_n_f32(c->l2), decay = svdup_n_f32(c->decay),
+                      w1 = svdup_n_f32(c->w1), omw1 = svdup_n_f32(c->omw1), b2 = svdup_n_f32(c->b2),
+                      omb2 = svdup_n_f32(c->omb2), bc2s = svdup_n_f32(c->bc2s), ss = svdup_n_f32(c->step_size),
+                      eps = svdup_n_f32(c->eps);
+    for (int64_t i = i0; i < i1; i += (int64_t)svcntw()) {
+        svbool_t pg = svwhilelt_b32_s64(i, i1);
+        svfloat32_t g = GBF16 ? bf16_to_f32(pg, b->g_bf16 + i) : svld1_f32(pg, b->g_f32 + i);
+        svfloat32_t p = svld1_f32(pg, b->p_in + i);
+        svfloat32_t m = svld1_f32(pg, b->m_in + i);
+        svfloat32_t v = svld1_f32(pg, b->v_in + i);
+        g = svmul_f32_z(pg, g, gscale);
+        sq_acc(g, &ev, &od);
+        if (c->use_l2) g = svadd_f32_x(pg, g, svmul_f32_x(pg, l2, p));
+        p = svmul_f32_x(pg, p, decay);
+        svfloat32_t d = svsub_f32_x(pg, g, m);
+        if (c->lerp_small)
+            m = svadd_f32_x(pg, m, svmul_f32_x(pg, w1, d));
+        else
+            m = svsub_f32_x(pg, g, svmul_f32_x(pg, d, omw1));
+        v = svadd_f32_x(pg, svmul_f32_x(pg, v, b2), svmul_f32_x(pg, svmul_f32_x(pg, omb2, g), g));
+        svfloat32_t den = svadd_f32_x(pg, svdiv_f32_x(pg, svsqrt_f32_x(pg, v), bc2s), eps);
+        p = svsub_f32_x(pg, p, svdiv_f32_x(pg, svmul_f32_x(pg, ss, m), den));
+        if (STREAM) {
+            svstnt1_f32(pg, b->p_out + i, p);
+            svstnt1_f32(pg, b->m_out + i, m);
+            svstnt1_f32(pg, b->v_out + i, v);
+        } else {
+            svst1_f32(pg, b->p_out + i, p);
+            svst1_f32(pg, b->m_out + i, m);
+            svst1_f32(pg, b->v_out + i, v);
+        }
+        if (OUT16) svst1h_u32(pg, b->p_bf16_out + i, f32_to_bf16(pg, p));
+    }
+    return finish(ev, od);
+}
+
+double socx_step_sve(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1) {
+    const int gb = b->g_bf16 != NULL, o16 = b->p_bf16_out != NULL, st = c->stream;
+    if (!gb && !o16) return st ? step_impl(b, c, i0, i1, 0, 0, 1) : step_impl(b, c, i0, i1, 0, 0, 0);
+    if (!gb && o16) return st ? step_impl(b, c, i0, i1, 0, 1, 1) : step_impl(b, c, i0, i1, 0, 1, 0);
+    if (gb && !o16) return st ? step_impl(b, c, i0, i1, 1, 0, 1) : step_impl(b, c, i0, i1, 1, 0, 0);
+    return st ? step_impl(b, c, i0, i1, 1, 1, 1) : step_impl(b, c, i0, i1, 1, 1, 0);
+}
+
+double socx_sumsq_sve(const float *g32, const uint16_t *g16, int64_t i0, int64_t i1) {
+    svfloat64_t ev = svdup_n_f64(0.0), od = svdup_n_f64(0.0);
+    for (int64_t i = i0; i < i1; i += (int64_t)svcntw()) {
+        svbool_t pg = svwhilelt_b32_s64(i, i1);
+        svfloat32_t g = g32 ? svld1_f32(pg, g32 + i) : bf16_to_f32(pg, g16 + i);
+        sq_acc(svsel_f32(pg, g, svdup_n_f32(0.0f)), &ev, &od);
+    }
+    return finish(ev, od);
+}
+
+void socx_copy_sve(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1) {
+    const svuint32_t zero = svdup_n_u32((uint32_t)c->use_l2);
+    for (int64_t i = i0; i < i1; i += (int64_t)svcntw()) {
+        svbool_t pg = svwhilelt_b32_s64(i, i1);
+        svuint32_t g = b->g_f32 ? svld1_u32(pg, (const uint32_t *)b->g_f32 + i) : svld1uh_u32(pg, b->g_bf16 + i);
+        svuint32_t p = svld1_u32(pg, (const uint32_t *)b->p_in + i);
+        svuint32_t m = svld1_u32(pg, (const uint32_t *)b->m_in + i);
+        svuint32_t v = sveor_u32_x(pg, svld1_u32(pg, (const uint32_t *)b->v_in + i), svand_u32_x(pg, g, zero));
+        if (c->stream) {
+            svstnt1_u32(pg, (uint32_t *)b->p_out + i, p);
+            svstnt1_u32(pg, (uint32_t *)b->m_out + i, m);
+            svstnt1_u32(pg, (uint32_t *)b->v_out + i, v);
+        } else {
+            svst1_u32(pg, (uint32_t *)b->p_out + i, p);
+            svst1_u32(pg, (uint32_t *)b->m_out + i, m);
+            svst1_u32(pg, (uint32_t *)b->v_out + i, v);
+        }
+        if (b->p_bf16_out) svst1h_u32(pg, b->p_bf16_out + i, svlsr_n_u32_x(pg, p, 16));
+    }
+}
+#endif
