@@ -1,0 +1,142 @@
+"""The ``superoffload`` torch.compile backend.
+
+    torch.compile(model, backend="superoffload", options={...})
+
+Dynamo gives us the forward FX graph; AOTAutograd splits it into forward and backward graphs. When the
+backward graph is compiled (lazily, at the first ``.backward()``), we capture both graphs into the IR, plan,
+lay out the socompile optimizer's buckets to the plan, and run the passes that put the optimizer's work into
+the backward graph. The compute is then compiled by Inductor (default) or run by the FX interpreter.
+
+NOTE: this module is what the ``torch_dynamo_backends`` entry point loads: keep its imports cheap.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+import torch
+from torch import fx
+
+from .context import CompileContext
+from .options import Options
+
+log = logging.getLogger("socompile")
+
+
+class OffloadError(RuntimeError):
+    """The superoffload backend cannot compile this model as asked; the message says what to change."""
+
+
+def superoffload(gm: fx.GraphModule, example_inputs: list, options: Mapping[str, Any] | None = None,
+                 mode: str | None = None):
+    """Entry point named ``superoffload`` (found by Dynamo through the entry-point group)."""
+    if mode not in (None, "default"):
+        raise OffloadError(f"superoffload supports mode=None or 'default', got {mode!r}: CUDA graphs "
+                           "('reduce-overhead') cannot replay host-side optimizer steps")
+    return SuperOffload(options)(gm, example_inputs)
+
+
+class SuperOffload:
+    """Backend as an object that keeps what it compiled (contexts with IR, plan, dumps) for inspection:
+
+        backend = socompile.SuperOffload(bucket_size="1MB")
+        cmodel = torch.compile(model, backend=backend)
+        ...; backend.compiled[0].plan
+    """
+
+    def __init__(self, options: Mapping[str, Any] | Options | None = None, **kwargs):
+        if isinstance(options, Options):
+            if kwargs:
+                options = Options.resolve({**options.to_dict(), **kwargs})
+            self.options = options
+        else:
+            self.options = Options.resolve({**(options or {}), **kwargs})
+        self.compiled: list[CompileContext] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list, **_ignored):
+        from .capture import find_parameters
+
+        ctx = CompileContext(options=self.options)
+        params = find_parameters(gm, example_inputs)
+        if not params:
+            raise OffloadError("superoffload: the compiled graph has no parameters, so there is nothing to "
+                               "offload. Compile the nn.Module that owns the parameters, or use "
+                               "backend='inductor' for parameter-free functions.")
+        ctx.param_names = {index: name for index, name, _ in params}
+        ctx.param_objects = {index: p for index, _, p in params}
+        ctx.optimizer = _owning_optimizer([p for _, _, p in params], [n for _, n, _ in params])
+        self.compiled.append(ctx)
+        return _compile(gm, example_inputs, ctx)
+
+
+def _owning_optimizer(params: list[torch.nn.Parameter], names: list[str]):
+    owners = {}
+    unowned = []
+    for p, name in zip(params, names):
+        ref = getattr(p, "_socompile_owner", None)
+        opt = ref() if ref is not None else None
+        if opt is None:
+            if p.requires_grad:
+                unowned.append(name)
+        else:
+            owners[id(opt)] = opt
+    if len(owners) > 1:
+        raise OffloadError("one compiled graph has parameters of several socompile optimizers; use one "
+                           "socompile.AdamW with parameter groups instead")
+    if unowned:
+        shown = ", ".join(unowned[:3]) + (" ..." if len(unowned) > 3 else "")
+        log.warning("socompile: %d parameter(s) have no socompile optimizer and keep ordinary .grad (%s)",
+                    len(unowned), shown)
+    return next(iter(owners.values()), None)
+
+
+def _compile(gm: fx.GraphModule, example_inputs: list, ctx: CompileContext):
+    from torch._functorch import config as functorch_config
+
+    def inner(compile_fn):
+        def compile_graph(graph: fx.GraphModule, inputs, **kwargs):
+            if kwargs.get("is_backward"):
+                graph = _apply_plan(ctx, graph)
+            else:
+                ctx.forward_graph = graph
+            return compile_fn(graph, inputs, **kwargs)
+        return compile_graph
+
+    # NOTE: no AOTAutograd cache. A cache hit would skip our backward hook, so the optimizer's buckets would
+    # never be laid out for the cached graph. Inductor's own FX graph cache stays on: it keys on the graph
+    # after our passes.
+    with functorch_config.patch(enable_autograd_cache=False):
+        if ctx.options.compute == "inductor":
+            from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+            return compile_fx(gm, example_inputs, inner_compile=inner(compile_fx_inner))
+        from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+        from torch._dynamo.backends.common import aot_autograd
+
+        def eager(graph, inputs, **kwargs):
+            return make_boxed_func(graph.forward)
+
+        fw = inner(eager)
+        return aot_autograd(fw_compiler=fw, bw_compiler=lambda g, i: fw(g, i, is_backward=True),
+                            partition_fn=min_cut_rematerialization_partition)(gm, example_inputs)
+
+
+def _apply_plan(ctx: CompileContext, bw: fx.GraphModule) -> fx.GraphModule:
+    from . import passes
+    from .capture import build_ir, describe
+    from .plan import get_profile, plan
+
+    infos = [describe(i, name, ctx.param_objects[i], optimized=ctx.optimizer is not None)
+             for i, name in ctx.param_names.items()]
+    ctx.ir = build_ir(ctx.forward_graph, bw, infos)
+    ctx.plan = plan(ctx.ir, get_profile(ctx.options.target), ctx.options)
+    ctx.backward_graph = bw
+    if ctx.optimizer is not None and ctx.plan.buckets:
+        by_name = {name: ctx.param_objects[i] for i, name in ctx.param_names.items()}
+        claim = ctx.optimizer.claim([[by_name[n] for n in b.params] for b in ctx.plan.buckets])
+        ctx.claim_handle = claim.handle
+        bw = passes.run_passes(bw, "bw", ctx.plan, ctx)
+    if ctx.options.dump_dir:
+        from .report.dump import write_dumps
+        write_dumps(ctx, ctx.options.dump_dir)
+    log.info("socompile: planned %d bucket(s) for target %s", len(ctx.plan.buckets), ctx.plan.target)
+    return bw

@@ -1,0 +1,52 @@
+"""Trace a model's training graphs without running a step, for plan reports and graph dumps.
+
+The model may be built under ``FakeTensorMode`` (no memory for weights), which is how a 25B plan is made on
+a laptop. NOTE: not the meta device: on meta, AOTAutograd silently drops the backward of
+``nll_loss``/``cross_entropy``, so the backward graph (and every plan made from it) would be wrong.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import fx, nn
+
+from .params import ParamInfo, describe
+
+LossFn = Callable[..., torch.Tensor]
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def trace_training_graphs(model: nn.Module, inputs: tuple, targets: tuple, loss_fn: LossFn = lm_loss,
+                          ) -> tuple[fx.GraphModule, fx.GraphModule, list[ParamInfo]]:
+    """Forward and backward graphs of ``loss_fn(model(*inputs), *targets)`` as AOTAutograd partitions them."""
+    from functorch.compile import aot_function, min_cut_rematerialization_partition
+
+    named = dict(model.named_parameters())  # tied weights appear once, as in Dynamo's inputs
+    # Buffers are inputs too: under FakeTensorMode a buffer captured as a constant is rejected by AOTAutograd.
+    state = {**named, **dict(model.named_buffers())}
+    names, values = list(state), list(state.values())
+    n_params, n_inputs = len(values), len(inputs)
+
+    def train_loss(*flat):
+        params = dict(zip(names, flat[:n_params]))
+        out = torch.func.functional_call(model, params, tuple(flat[n_params:n_params + n_inputs]))
+        return loss_fn(out, *flat[n_params + n_inputs:])
+
+    captured: dict[str, fx.GraphModule] = {}
+
+    def partition(joint, joint_inputs, **kwargs):
+        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        captured["fw"], captured["bw"] = fw, bw
+        return fw, bw
+
+    def no_compile(gm, _inputs):
+        return gm
+
+    compiled = aot_function(train_loss, fw_compiler=no_compile, bw_compiler=no_compile, partition_fn=partition)
+    compiled(*values, *inputs, *targets)
+    infos = [describe(i, name, p, optimized=p.requires_grad) for i, (name, p) in enumerate(named.items())]
+    return captured["fw"], captured["bw"], infos

@@ -1,0 +1,2 @@
+"""socompile:: custom ops (each with a fake implementation) that passes insert into graphs."""
+from . import optimizer_ops  # noqa: F401  (registers the ops)

@@ -1,0 +1,146 @@
+"""User options of the superoffload backend, validated in one place.
+
+Options come from three places, merged in this order (later wins): the dataclass defaults, ``SOCOMPILE_*``
+environment variables (HF Trainer and Accelerate can name a backend but pass no options), and the
+``options=`` dict given to ``torch.compile``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import typing
+from typing import Any, Mapping
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+class OptionError(ValueError):
+    """An option is unknown, of the wrong type or out of range; the message names the fix."""
+
+
+def parse_bytes(value: int | float | str, name: str = "size") -> int:
+    """Accept 67108864, 64e6, "64MB", "64 MiB", "2GB" and return bytes."""
+    if isinstance(value, bool):
+        raise OptionError(f"{name} must be a byte count such as 67108864 or '64MB', got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise OptionError(f"{name} must be >= 0, got {value!r}")
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+    unit = match.group(2).upper() if match else None
+    if not match or unit not in _SIZE_UNITS:
+        raise OptionError(f"{name}: cannot read {value!r} as a size; write e.g. '64MB', '2GiB' or 67108864")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Options of ``torch.compile(model, backend="superoffload", options={...})``."""
+
+    target: str = "gh200"
+    """Hardware profile the plan is made for (see ``socompile.plan.hardware``); also on a CPU-only machine."""
+    bucket_size: int | str = "64MB"
+    """Bytes of fp32 gradients per optimizer bucket (the unit of CPU stepping and reduce-scatter)."""
+    compute: str = "inductor"
+    """Compiler for the forward/backward compute: 'inductor' (default) or 'eager' (FX interpreted, fast compile)."""
+    gpu_buckets: int | None = None
+    """Pin the number of optimizer buckets kept on the device; None lets the planner choose."""
+    disable_passes: tuple[str, ...] = ()
+    """Names of FX passes to skip, e.g. ('insert_optimizer_steps',)."""
+    dump_dir: str | None = None
+    """If set, write graphs before/after each pass and the plan report into this folder."""
+    device_memory_budget: int | str | None = None
+    """Bytes the plan may put on the device; None means the target profile's device memory."""
+    optimizer_threads: int | None = None
+    """OpenMP threads of the CPU optimizer kernel; None: all cores."""
+    speculate: bool = True
+    """Start each CPU bucket's step as soon as its gradients are complete, before validation."""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(Options)
+        for field in dataclasses.fields(self):
+            _check_type(field.name, getattr(self, field.name), hints[field.name])
+        object.__setattr__(self, "bucket_size", parse_bytes(self.bucket_size, "bucket_size"))
+        if self.bucket_size <= 0:
+            raise OptionError("bucket_size must be positive, e.g. '64MB'")
+        if self.device_memory_budget is not None:
+            object.__setattr__(self, "device_memory_budget",
+                               parse_bytes(self.device_memory_budget, "device_memory_budget"))
+        if self.compute not in ("inductor", "eager"):
+            raise OptionError(f"compute must be 'inductor' or 'eager', got {self.compute!r}")
+        object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
+
+    @classmethod
+    def resolve(cls, options: Mapping[str, Any] | "Options" | None = None,
+                environ: Mapping[str, str] | None = None) -> "Options":
+        """Merge defaults, ``SOCOMPILE_*`` environment variables and explicit options, then validate."""
+        if isinstance(options, Options):
+            return options
+        merged: dict[str, Any] = dict(_from_environ(os.environ if environ is None else environ))
+        merged.update(options or {})
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in merged:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = f"did you mean {close[0]!r}?" if close else f"valid options: {', '.join(names)}"
+                raise OptionError(f"unknown superoffload option {key!r}: {hint}")
+        return cls(**merged)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _from_environ(environ: Mapping[str, str]) -> dict[str, Any]:
+    """SOCOMPILE_BUCKET_SIZE=32MB -> {'bucket_size': '32MB'}, typed by the field's annotation."""
+    hints = typing.get_type_hints(Options)
+    out: dict[str, Any] = {}
+    for key, raw in environ.items():
+        if not key.startswith("SOCOMPILE_"):
+            continue
+        name = key[len("SOCOMPILE_"):].lower()
+        if name not in hints:
+            continue  # other SOCOMPILE_* variables (e.g. SOCOMPILE_ISA) belong to other parts
+        out[name] = _coerce_env(name, raw, hints[name])
+    return out
+
+
+def _coerce_env(name: str, raw: str, hint: Any) -> Any:
+    args = typing.get_args(hint)
+    if raw.lower() in ("none", "") and type(None) in args:
+        return None
+    if hint is bool:
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise OptionError(f"SOCOMPILE_{name.upper()} must be true/false, got {raw!r}")
+    if typing.get_origin(hint) is tuple:
+        return tuple(s.strip() for s in raw.split(",") if s.strip())
+    if int in args or hint is int:
+        try:
+            return int(raw)
+        except ValueError:
+            if str in args:
+                return raw
+            raise OptionError(f"SOCOMPILE_{name.upper()} must be an integer, got {raw!r}") from None
+    return raw
+
+
+def _check_type(name: str, value: Any, hint: Any) -> None:
+    origin = typing.get_origin(hint)
+    allowed = typing.get_args(hint) if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) else (hint,)
+    for kind in allowed:
+        if kind is type(None) and value is None:
+            return
+        base = typing.get_origin(kind) or kind
+        if base is tuple and isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value):
+            return
+        if base in (int, float) and isinstance(value, bool):
+            continue
+        if isinstance(base, type) and base is not tuple and isinstance(value, base):
+            return
+    want = " or ".join(getattr(k, "__name__", str(k)) for k in allowed)
+    raise OptionError(f"superoffload option {name!r} must be {want}, got {type(value).__name__} {value!r}")

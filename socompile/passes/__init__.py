@@ -1,0 +1,5 @@
+"""FX passes that apply a Plan. Importing this package registers every pass, in run order."""
+from . import insert_optimizer_steps  # noqa: F401
+from .registry import PASSES, known_pass_names, run_passes
+
+__all__ = ["PASSES", "known_pass_names", "run_passes"]

@@ -1,0 +1,25 @@
+"""Bucketization: group parameters into optimizer buckets in the order backward produces their gradients.
+
+Analysis only: returns the buckets as data; the optimizer-step pass applies them.
+"""
+from __future__ import annotations
+
+FP32_BYTES = 4
+
+
+def bucketize(ordered: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
+    """Split (name, numel) pairs, already in gradient order, into buckets of about ``bucket_bytes``
+    fp32 gradient bytes. A parameter is never split; one larger than a bucket gets a bucket of its own."""
+    buckets: list[list[str]] = []
+    current: list[str] = []
+    current_bytes = 0
+    for name, numel in ordered:
+        size = numel * FP32_BYTES
+        if current and current_bytes + size > bucket_bytes:
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(name)
+        current_bytes += size
+    if current:
+        buckets.append(current)
+    return buckets

@@ -1,0 +1,52 @@
+"""The Plan: every decision the planner makes, as frozen, JSON-serialisable data.
+
+Passes only apply a Plan; they decide nothing. Same IR + hardware + options -> byte-identical JSON.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketPlan:
+    index: int
+    params: tuple[str, ...]        # in the order backward produces their gradients
+    numel: int                     # elements of the bucket's gradients (unpadded)
+    grad_bytes: int                # fp32 gradient bytes
+    optimizer_site: str            # "cpu": stepped by the CPU worker; "device": stepped on the device
+    ready_after: str               # bw node key after which all its gradients exist and no bw node reads its weights
+    ready_position: int            # index of ready_after in backward execution order
+    weight_mode: str = "stationary"  # "stationary": weights live on the device; "flow": streamed per use
+    prefetch_distance: int = 0
+    cast_site: str = "device"      # where fp32<->bf16 casts run
+    link_dtype: str = "float32"    # precision of gradients crossing the link
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    target: str
+    bucket_size: int
+    buckets: tuple[BucketPlan, ...]
+    unoptimized_params: tuple[str, ...]   # params with gradients but no socompile optimizer: keep .grad
+    predicted: tuple[tuple[str, Any], ...] = ()   # named predictions (bytes, seconds) for the report
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, indent=1)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        buckets = tuple(BucketPlan(**{**b, "params": tuple(b["params"])}) for b in data["buckets"])
+        return cls(target=data["target"], bucket_size=data["bucket_size"], buckets=buckets,
+                   unoptimized_params=tuple(data["unoptimized_params"]),
+                   predicted=tuple(tuple(p) for p in data.get("predicted", ())))
+
+    def bucket_of(self, param: str) -> BucketPlan:
+        for bucket in self.buckets:
+            if param in bucket.params:
+                return bucket
+        raise KeyError(param)

@@ -1,0 +1,1 @@
+"""Runtime: bucket buffers, the CPU optimizer worker, handles and event logs."""

@@ -1,0 +1,117 @@
+"""A bucket of parameters laid out flat: one contiguous fp32 buffer each for weights, gradients, exp_avg
+and exp_avg_sq, so the CPU kernel steps a whole bucket in one call.
+
+NOTE: parameters alias the bucket. Each fp32 parameter's ``.data`` is re-pointed to its segment of
+``master``: the optimizer updates the model's weights in place with no copy-back, and the backward graph's
+step node must therefore run after the last backward read of those weights (the planner's ``ready_after``).
+Segments start at multiples of ALIGN elements so compiled kernels see aligned inputs; the padding is zero in
+every buffer and stays zero under the update (zero gradient, zero moments -> zero step).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+ALIGN = 16  # elements: 64 bytes, a cache line and an AVX-512 vector
+
+
+def _round_up(n: int, k: int) -> int:
+    return (n + k - 1) // k * k
+
+
+class FlatBucket:
+    def __init__(self, index: int, params: list[nn.Parameter]):
+        for p in params:
+            if p.dtype != torch.float32 or p.device.type != "cpu":
+                raise TypeError(f"socompile optimizer buckets hold fp32 CPU parameters for now; got a "
+                                f"{p.dtype} parameter on {p.device}. Keep master weights in fp32 (model.float()).")
+        self.index = index
+        self.params = list(params)
+        self.offsets, self.sizes = [], []
+        total = 0
+        for p in params:
+            self.offsets.append(total)
+            self.sizes.append(p.numel())
+            total += _round_up(p.numel(), ALIGN)
+        self.numel = total
+        self.master = torch.zeros(total)
+        self.grad = torch.zeros(total)
+        self.exp_avg = torch.zeros(total)
+        self.exp_avg_sq = torch.zeros(total)
+        self.steps = [0] * len(params)
+        self.has_grad = [False] * len(params)
+        self.arrivals = 0          # backward passes that delivered this bucket's gradients since the last step
+        self.pending = None        # Future of a speculative step in flight
+        self.stepped = False       # stepped in this iteration (speculatively or not)
+
+    def segment(self, i: int) -> slice:
+        return slice(self.offsets[i], self.offsets[i] + self.sizes[i])
+
+    def view(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
+        return buffer[self.segment(i)].view(self.params[i].shape)
+
+    def adopt(self, previous: dict[int, tuple["FlatBucket", int]]) -> None:
+        """Fill this bucket from the parameters (or from the bucket that held them before) and re-point
+        each parameter's storage into ``master``."""
+        for i, p in enumerate(self.params):
+            old = previous.get(id(p))
+            seg = self.segment(i)
+            if old is not None:
+                bucket, j = old
+                src = bucket.segment(j)
+                self.master[seg].copy_(bucket.master[src])
+                self.grad[seg].copy_(bucket.grad[src])
+                self.exp_avg[seg].copy_(bucket.exp_avg[src])
+                self.exp_avg_sq[seg].copy_(bucket.exp_avg_sq[src])
+                self.steps[i], self.has_grad[i] = bucket.steps[j], bucket.has_grad[j]
+            else:
+                self.master[seg].copy_(p.detach().reshape(-1))
+            p.data = self.view(self.master, i)
+            if p.grad is not None:  # keep a pending gradient, now as a view of this bucket
+                self.view(self.grad, i).copy_(p.grad)
+                p.grad = self.view(self.grad, i)
+
+    def receive(self, i: int, grad: torch.Tensor, accumulate: bool) -> None:
+        """Store a gradient for parameter i (copy, or add when accumulating micro-batches)."""
+        dst = self.grad[self.segment(i)]
+        if accumulate and self.has_grad[i]:
+            dst.add_(grad.reshape(-1))
+        else:
+            dst.copy_(grad.reshape(-1))
+        self.has_grad[i] = True
+
+    def gather_eager_grads(self) -> None:
+        """Take gradients that autograd left in ``.grad`` (eager use, or parts of a model not compiled)."""
+        for i, p in enumerate(self.params):
+            g = p.grad
+            if g is None:
+                continue
+            view = self.view(self.grad, i)
+            if g.data_ptr() != view.data_ptr():
+                view.copy_(g)
+                p.grad = view
+            self.has_grad[i] = True
+
+    def runs(self, group_of: list[int]) -> list[tuple[int, int, int, int]]:
+        """(start, end, group index, step) for maximal runs of consecutive segments that have a gradient
+        and share param group and step count: each run is one kernel call."""
+        out: list[tuple[int, int, int, int]] = []
+        for i in range(len(self.params)):
+            if not self.has_grad[i]:
+                continue
+            key = (group_of[i], self.steps[i] + 1)
+            start, end = self.offsets[i], self.offsets[i] + self.sizes[i]
+            if out and out[-1][2:] == key and self._contiguous(out[-1][1], i):
+                out[-1] = (out[-1][0], end, *key)
+            else:
+                out.append((start, end, *key))
+        return out
+
+    def _contiguous(self, prev_end: int, i: int) -> bool:
+        # Padding between segments is zero in all buffers, so a run may cover it.
+        return i > 0 and self.has_grad[i - 1] and _round_up(prev_end, ALIGN) == self.offsets[i]
+
+    def clear_grads(self) -> None:
+        self.has_grad = [False] * len(self.params)
+        self.arrivals = 0
+        self.stepped = False
