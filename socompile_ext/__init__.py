@@ -51,55 +51,41 @@ _apply_isa_env()
 # ---------------------------------------------------------------- validation
 
 def _check(name, t, dtypes, n):
+    """Validate one tensor; return its data address."""
     torch = _t()
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise ValueError(
             f"{name} is on device {t.device}; the CPU Adam kernel updates CPU memory in place: "
-            f"pass the CPU (pinned) copy of the tensor, not {t.device}")
+            f"pass the CPU (pinned) copy of the tensor, not a {t.device.type} tensor")
     if t.dtype not in dtypes:
         want = " or ".join(str(d) for d in dtypes)
         raise TypeError(f"{name} has dtype {t.dtype}; expected {want} (convert the buffer once where it is allocated)")
-    if t.layout != torch.strided or not t.is_contiguous():
+    if t.layout is not torch.strided or not t.is_contiguous():
         raise ValueError(
             f"{name} is not a contiguous strided tensor; pass a contiguous buffer (e.g. a flat bucket). "
             f"Calling .contiguous() here would update a temporary copy and lose the result")
     if n is not None and t.numel() != n:
         raise ValueError(f"{name} has {t.numel()} elements but param has {n}; all tensors must have the same numel")
+    return t.data_ptr()
 
 
-def _flat(t):
-    """Zero-copy 1-D numpy view of a contiguous CPU tensor (bf16 as its uint16 bits)."""
-    torch = _t()
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.uint16)
-    return t.numpy().reshape(-1)
-
-
-def _span(t):
-    start = t.data_ptr()
-    return start, start + t.numel() * t.element_size()
-
-
-def _check_outputs(pairs, others):
-    """pairs: (out_name, out, in_tensor); an output may be its own input (in place) or disjoint from all."""
-    named = [(n, t) for n, t in others if t is not None and t.numel() > 0]
-    for oname, out, inp in pairs:
-        if out is None or out.numel() == 0:
+def _check_no_overlap(buffers, nbytes_of):
+    """buffers: (name, address, element_size, written, in_place_partner_address_or_None). A written
+    buffer may coincide exactly with its own input (in place); any other overlap is an error, because the
+    kernel would read values it has already overwritten."""
+    spans = [(name, a, a + nbytes_of(es), w, partner) for name, a, es, w, partner in buffers if a]
+    for i, (name, a0, a1, w, partner) in enumerate(spans):
+        if not w or a1 == a0:
             continue
-        o0, o1 = _span(out)
-        for name, t in named:
-            if t is out:
+        for j, (other, b0, b1, _, _) in enumerate(spans):
+            if j == i or b1 == b0 or (b0 == partner and b0 == a0 and b1 == a1):
                 continue
-            a0, a1 = _span(t)
-            if t is inp and (a0, a1) == (o0, o1):
-                continue  # in place for this tensor
-            if o0 < a1 and a0 < o1:
+            if a0 < b1 and b0 < a1:
                 raise ValueError(
-                    f"{oname} overlaps {name}; an output must be either the same tensor as its input "
-                    f"(in-place) or a separate buffer")
+                    f"{name} overlaps {other}; an output must be either exactly its own input (in place) "
+                    f"or a separate buffer")
 
 
 def _hparams_ok(step, lr, beta1, beta2, eps, weight_decay):
@@ -109,6 +95,10 @@ def _hparams_ok(step, lr, beta1, beta2, eps, weight_decay):
         raise ValueError(f"betas must be in [0, 1), got ({beta1}, {beta2})")
     if eps < 0 or lr < 0 or weight_decay < 0:
         raise ValueError(f"lr, eps and weight_decay must be >= 0, got lr={lr}, eps={eps}, weight_decay={weight_decay}")
+
+
+def _grad_addrs(grad, addr):
+    return (0, addr) if grad.dtype == _t().bfloat16 else (addr, 0)
 
 
 # ---------------------------------------------------------------- public API
@@ -127,42 +117,28 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: 
     """
     torch = _t()
     f32 = (torch.float32,)
-    _check("param", param, f32, None)
+    p = _check("param", param, f32, None)
     n = param.numel()
-    _check("grad", grad, (torch.float32, torch.bfloat16), n)
-    _check("exp_avg", exp_avg, f32, n)
-    _check("exp_avg_sq", exp_avg_sq, f32, n)
-    for name, t in (("param_out", param_out), ("exp_avg_out", exp_avg_out), ("exp_avg_sq_out", exp_avg_sq_out)):
-        if t is not None:
-            _check(name, t, f32, n)
-    if param_bf16_out is not None:
-        _check("param_bf16_out", param_bf16_out, (torch.bfloat16,), n)
+    g = _check("grad", grad, (torch.float32, torch.bfloat16), n)
+    m = _check("exp_avg", exp_avg, f32, n)
+    v = _check("exp_avg_sq", exp_avg_sq, f32, n)
+    po = p if param_out is None else _check("param_out", param_out, f32, n)
+    mo = m if exp_avg_out is None else _check("exp_avg_out", exp_avg_out, f32, n)
+    vo = v if exp_avg_sq_out is None else _check("exp_avg_sq_out", exp_avg_sq_out, f32, n)
+    p16 = 0 if param_bf16_out is None else _check("param_bf16_out", param_bf16_out, (torch.bfloat16,), n)
     _hparams_ok(step, lr, beta1, beta2, eps, weight_decay)
-    everything = [("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq),
-                  ("param_out", param_out), ("exp_avg_out", exp_avg_out), ("exp_avg_sq_out", exp_avg_sq_out),
-                  ("param_bf16_out", param_bf16_out)]
-    _check_outputs([("param_out", param_out, param), ("exp_avg_out", exp_avg_out, exp_avg),
-                    ("exp_avg_sq_out", exp_avg_sq_out, exp_avg_sq), ("param_bf16_out", param_bf16_out, None)],
-                   everything)
-    # the in-place outputs must not overlap the other inputs either (e.g. param passed as exp_avg)
-    _check_outputs([("param", param if param_out is None else None, param),
-                    ("exp_avg", exp_avg if exp_avg_out is None else None, exp_avg),
-                    ("exp_avg_sq", exp_avg_sq if exp_avg_sq_out is None else None, exp_avg_sq)], everything)
     if n == 0:
         return 0.0, False
-    p = _flat(param)
-    m = _flat(exp_avg)
-    v = _flat(exp_avg_sq)
-    g = _flat(grad)
-    bf16_grad = grad.dtype == torch.bfloat16
-    return _adam.step(
-        p, m, v, None if bf16_grad else g, g if bf16_grad else None,
-        p if param_out is None else _flat(param_out),
-        m if exp_avg_out is None else _flat(exp_avg_out),
-        v if exp_avg_sq_out is None else _flat(exp_avg_sq_out),
-        None if param_bf16_out is None else _flat(param_bf16_out),
-        int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
-        float(grad_scale))
+    gsz = grad.element_size()
+    _check_no_overlap(
+        [("param", p, 4, po == p, p), ("grad", g, gsz, False, None), ("exp_avg", m, 4, mo == m, m),
+         ("exp_avg_sq", v, 4, vo == v, v),
+         ("param_out", po if po != p else 0, 4, True, p), ("exp_avg_out", mo if mo != m else 0, 4, True, m),
+         ("exp_avg_sq_out", vo if vo != v else 0, 4, True, v), ("param_bf16_out", p16, 2, True, None)],
+        lambda es: n * es)
+    g32, g16 = _grad_addrs(grad, g)
+    return _adam.step(n, p, m, v, g32, g16, po, mo, vo, p16, int(step), float(lr), float(beta1), float(beta2),
+                      float(eps), float(weight_decay), bool(decoupled), float(grad_scale))
 
 
 def adam_rollback(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: float, beta2: float,
@@ -175,40 +151,36 @@ def adam_rollback(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, bet
     """
     torch = _t()
     f32 = (torch.float32,)
-    _check("param", param, f32, None)
+    p = _check("param", param, f32, None)
     n = param.numel()
-    _check("grad", grad, (torch.float32, torch.bfloat16), n)
-    _check("exp_avg", exp_avg, f32, n)
-    _check("exp_avg_sq", exp_avg_sq, f32, n)
+    g = _check("grad", grad, (torch.float32, torch.bfloat16), n)
+    m = _check("exp_avg", exp_avg, f32, n)
+    v = _check("exp_avg_sq", exp_avg_sq, f32, n)
     _hparams_ok(step, lr, beta1, beta2, eps, weight_decay)
     if beta1 == 0.0 or beta2 == 0.0 or (decoupled and lr * weight_decay == 1.0):
         raise ValueError("this step cannot be inverted (beta1 == 0, beta2 == 0 or lr*weight_decay == 1 erase "
                          "the previous state); use ping-pong state (param_out/exp_avg_out/exp_avg_sq_out)")
-    everything = [("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
-    _check_outputs([("param", param, param), ("exp_avg", exp_avg, exp_avg), ("exp_avg_sq", exp_avg_sq, exp_avg_sq)],
-                   everything)
     if n == 0:
         return None
-    g = _flat(grad)
-    bf16_grad = grad.dtype == torch.bfloat16
-    rc = _adam.rollback(_flat(param), _flat(exp_avg), _flat(exp_avg_sq), None if bf16_grad else g,
-                        g if bf16_grad else None, int(step), float(lr), float(beta1), float(beta2), float(eps),
+    _check_no_overlap([("param", p, 4, True, p), ("grad", g, grad.element_size(), False, None),
+                       ("exp_avg", m, 4, True, m), ("exp_avg_sq", v, 4, True, v)], lambda es: n * es)
+    g32, g16 = _grad_addrs(grad, g)
+    rc = _adam.rollback(n, p, m, v, g32, g16, int(step), float(lr), float(beta1), float(beta2), float(eps),
                         float(weight_decay), bool(decoupled), float(grad_scale))
     if rc != 0:
-        raise ValueError("this step cannot be inverted in fp32 (a coefficient rounds to 0 or 1)")
+        raise ValueError("this step cannot be inverted in fp32 (a coefficient rounds to 0 or 1); use ping-pong state")
     return None
 
 
 def grad_stats(grad) -> tuple[float, bool]:
     """(sum of squares in double, any element non-finite) of an fp32 or bf16 gradient; one read pass."""
     torch = _t()
-    _check("grad", grad, (torch.float32, torch.bfloat16), None)
-    if grad.numel() == 0:
+    g = _check("grad", grad, (torch.float32, torch.bfloat16), None)
+    n = grad.numel()
+    if n == 0:
         return 0.0, False
-    g = _flat(grad)
-    if grad.dtype == torch.bfloat16:
-        return _adam.grad_stats(None, g)
-    return _adam.grad_stats(g, None)
+    g32, g16 = _grad_addrs(grad, g)
+    return _adam.grad_stats(n, g32, g16)
 
 
 def set_num_threads(n: int) -> None:
@@ -242,21 +214,20 @@ def build_info() -> dict:
 
 def _copy_ceiling(param, grad, exp_avg, exp_avg_sq, param_out=None, exp_avg_out=None, exp_avg_sq_out=None,
                   param_bf16_out=None) -> None:
-    """Benchmark only: the step's loads and stores with no arithmetic (the machine's ceiling for the step)."""
+    """Benchmark only: the step's loads and stores with no arithmetic (the machine's ceiling for the step).
+    Same store policy as adam_step (non-temporal stores for large separate outputs)."""
     torch = _t()
+    f32 = (torch.float32,)
+    p = _check("param", param, f32, None)
     n = param.numel()
-    for name, t, d in (("param", param, (torch.float32,)), ("grad", grad, (torch.float32, torch.bfloat16)),
-                       ("exp_avg", exp_avg, (torch.float32,)), ("exp_avg_sq", exp_avg_sq, (torch.float32,)),
-                       ("param_out", param_out, (torch.float32,)), ("exp_avg_out", exp_avg_out, (torch.float32,)),
-                       ("exp_avg_sq_out", exp_avg_sq_out, (torch.float32,)),
-                       ("param_bf16_out", param_bf16_out, (torch.bfloat16,))):
-        if t is not None:
-            _check(name, t, d, n)
+    g = _check("grad", grad, (torch.float32, torch.bfloat16), n)
+    m = _check("exp_avg", exp_avg, f32, n)
+    v = _check("exp_avg_sq", exp_avg_sq, f32, n)
+    po = p if param_out is None else _check("param_out", param_out, f32, n)
+    mo = m if exp_avg_out is None else _check("exp_avg_out", exp_avg_out, f32, n)
+    vo = v if exp_avg_sq_out is None else _check("exp_avg_sq_out", exp_avg_sq_out, f32, n)
+    p16 = 0 if param_bf16_out is None else _check("param_bf16_out", param_bf16_out, (torch.bfloat16,), n)
     if n == 0:
         return
-    p, m, v, g = _flat(param), _flat(exp_avg), _flat(exp_avg_sq), _flat(grad)
-    bf = grad.dtype == torch.bfloat16
-    _adam.copy_ceiling(p, m, v, None if bf else g, g if bf else None,
-                       p if param_out is None else _flat(param_out), m if exp_avg_out is None else _flat(exp_avg_out),
-                       v if exp_avg_sq_out is None else _flat(exp_avg_sq_out),
-                       None if param_bf16_out is None else _flat(param_bf16_out))
+    g32, g16 = _grad_addrs(grad, g)
+    _adam.copy_ceiling(n, p, m, v, g32, g16, po, mo, vo, p16)

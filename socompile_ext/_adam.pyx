@@ -1,6 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
-"""Thin Cython layer over the C kernels (csrc/). No validation beyond what typed memoryviews enforce
-(dtype, C-contiguity, writability): the public checks with readable messages live in __init__.py.
+"""Thin Cython layer over the C kernels (csrc/): no validation here, the public checks with readable
+messages live in __init__.py. Tensors arrive as data_ptr() addresses (zero-copy; measured ~3x less
+per-call overhead than going through t.numpy() and typed memoryviews, which matters for small buckets).
 The GIL is released around every kernel call; the kernels run their own OpenMP threads."""
 from libc.stdint cimport int64_t, uint16_t
 
@@ -57,20 +58,21 @@ cdef extern from *:
     const char *SOCX_COMPILER
 
 
-cdef void _fill(socx_buffers *b, const float[::1] p, const float[::1] m, const float[::1] v,
-                const float[::1] g32, const uint16_t[::1] g16, float[::1] p_out, float[::1] m_out,
-                float[::1] v_out, uint16_t[::1] p16_out):
-    # every array has n >= 1 elements here (the Python layer returns early on empty tensors)
-    b.n = p.shape[0]
-    b.p_in = &p[0]
-    b.m_in = &m[0]
-    b.v_in = &v[0]
-    b.p_out = &p_out[0]
-    b.m_out = &m_out[0]
-    b.v_out = &v_out[0]
-    b.g_f32 = &g32[0] if g32 is not None else NULL
-    b.g_bf16 = &g16[0] if g16 is not None else NULL
-    b.p_bf16_out = &p16_out[0] if p16_out is not None else NULL
+ctypedef size_t addr  # a tensor's data_ptr(); 0 for "not given"
+
+
+cdef void _fill(socx_buffers *b, int64_t n, addr p, addr m, addr v, addr g32, addr g16, addr p_out,
+                addr m_out, addr v_out, addr p16_out):
+    b.n = n
+    b.p_in = <const float *>p
+    b.m_in = <const float *>m
+    b.v_in = <const float *>v
+    b.p_out = <float *>p_out
+    b.m_out = <float *>m_out
+    b.v_out = <float *>v_out
+    b.g_f32 = <const float *>g32
+    b.g_bf16 = <const uint16_t *>g16
+    b.p_bf16_out = <uint16_t *>p16_out
 
 
 cdef socx_hparams _hp(int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
@@ -87,46 +89,43 @@ cdef socx_hparams _hp(int64_t step, double lr, double beta1, double beta2, doubl
     return h
 
 
-def step(const float[::1] p, const float[::1] m, const float[::1] v, const float[::1] g32,
-         const uint16_t[::1] g16, float[::1] p_out, float[::1] m_out, float[::1] v_out,
-         uint16_t[::1] p16_out, int64_t step, double lr, double beta1, double beta2, double eps,
-         double weight_decay, bint decoupled, double grad_scale):
+# The functions below take raw addresses (torch's data_ptr()). They are private: __init__.py checks
+# device, dtype, contiguity, sizes and overlap first, and keeps the tensors alive across the call.
+
+def step(int64_t n, addr p, addr m, addr v, addr g32, addr g16, addr p_out, addr m_out, addr v_out,
+         addr p16_out, int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
+         bint decoupled, double grad_scale):
     cdef socx_buffers b
     cdef socx_hparams h = _hp(step, lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale)
     cdef socx_stats st
-    _fill(&b, p, m, v, g32, g16, p_out, m_out, v_out, p16_out)
+    _fill(&b, n, p, m, v, g32, g16, p_out, m_out, v_out, p16_out)
     with nogil:
         st = socx_adam_step(&b, &h)
-    return st.sumsq, bool(st.nonfinite)
+    return st.sumsq, st.nonfinite != 0
 
 
-def rollback(float[::1] p, float[::1] m, float[::1] v, const float[::1] g32, const uint16_t[::1] g16,
-             int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
-             bint decoupled, double grad_scale):
+def rollback(int64_t n, addr p, addr m, addr v, addr g32, addr g16, int64_t step, double lr, double beta1,
+             double beta2, double eps, double weight_decay, bint decoupled, double grad_scale):
     cdef socx_buffers b
     cdef socx_hparams h = _hp(step, lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale)
     cdef int rc
-    _fill(&b, p, m, v, g32, g16, p, m, v, None)
+    _fill(&b, n, p, m, v, g32, g16, p, m, v, 0)
     with nogil:
         rc = socx_adam_rollback(&b, &h)
     return rc
 
 
-def grad_stats(const float[::1] g32, const uint16_t[::1] g16):
+def grad_stats(int64_t n, addr g32, addr g16):
     cdef socx_stats st
-    cdef int64_t n = g32.shape[0] if g32 is not None else g16.shape[0]
-    cdef const float *a = &g32[0] if g32 is not None else NULL
-    cdef const uint16_t *c = &g16[0] if g16 is not None else NULL
     with nogil:
-        st = socx_grad_stats(a, c, n)
-    return st.sumsq, bool(st.nonfinite)
+        st = socx_grad_stats(<const float *>g32, <const uint16_t *>g16, n)
+    return st.sumsq, st.nonfinite != 0
 
 
-def copy_ceiling(const float[::1] p, const float[::1] m, const float[::1] v, const float[::1] g32,
-                 const uint16_t[::1] g16, float[::1] p_out, float[::1] m_out, float[::1] v_out,
-                 uint16_t[::1] p16_out):
+def copy_ceiling(int64_t n, addr p, addr m, addr v, addr g32, addr g16, addr p_out, addr m_out, addr v_out,
+                 addr p16_out):
     cdef socx_buffers b
-    _fill(&b, p, m, v, g32, g16, p_out, m_out, v_out, p16_out)
+    _fill(&b, n, p, m, v, g32, g16, p_out, m_out, v_out, p16_out)
     with nogil:
         socx_copy_ceiling(&b)
 
