@@ -71,18 +71,16 @@ def _check(name, t, dtypes, n):
     return t.data_ptr()
 
 
-def _check_no_overlap(buffers, nbytes_of):
-    """buffers: (name, address, element_size, written, in_place_partner_address_or_None). A written
-    buffer may coincide exactly with its own input (in place); any other overlap is an error, because the
-    kernel would read values it has already overwritten."""
-    spans = [(name, a, a + nbytes_of(es), w, partner) for name, a, es, w, partner in buffers if a]
-    for i, (name, a0, a1, w, partner) in enumerate(spans):
-        if not w or a1 == a0:
+def _check_no_overlap(buffers, n):
+    """buffers: (name, address or 0, element size, written). A written buffer must not share memory with any
+    other buffer (an output given as the very same memory as its input was already folded into an in-place
+    entry by the caller): the kernel would read values it has already overwritten."""
+    spans = [(name, a, a + n * es, w) for name, a, es, w in buffers if a]
+    for i, (name, a0, a1, w) in enumerate(spans):
+        if not w:
             continue
-        for j, (other, b0, b1, _, _) in enumerate(spans):
-            if j == i or b1 == b0 or (b0 == partner and b0 == a0 and b1 == a1):
-                continue
-            if a0 < b1 and b0 < a1:
+        for j, (other, b0, b1, _) in enumerate(spans):
+            if j != i and a0 < b1 and b0 < a1:
                 raise ValueError(
                     f"{name} overlaps {other}; an output must be either exactly its own input (in place) "
                     f"or a separate buffer")
@@ -131,11 +129,9 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: 
         return 0.0, False
     gsz = grad.element_size()
     _check_no_overlap(
-        [("param", p, 4, po == p, p), ("grad", g, gsz, False, None), ("exp_avg", m, 4, mo == m, m),
-         ("exp_avg_sq", v, 4, vo == v, v),
-         ("param_out", po if po != p else 0, 4, True, p), ("exp_avg_out", mo if mo != m else 0, 4, True, m),
-         ("exp_avg_sq_out", vo if vo != v else 0, 4, True, v), ("param_bf16_out", p16, 2, True, None)],
-        lambda es: n * es)
+        [("param", p, 4, po == p), ("grad", g, gsz, False), ("exp_avg", m, 4, mo == m), ("exp_avg_sq", v, 4, vo == v),
+         ("param_out", po if po != p else 0, 4, True), ("exp_avg_out", mo if mo != m else 0, 4, True),
+         ("exp_avg_sq_out", vo if vo != v else 0, 4, True), ("param_bf16_out", p16, 2, True)], n)
     g32, g16 = _grad_addrs(grad, g)
     return _adam.step(n, p, m, v, g32, g16, po, mo, vo, p16, int(step), float(lr), float(beta1), float(beta2),
                       float(eps), float(weight_decay), bool(decoupled), float(grad_scale))
@@ -162,8 +158,8 @@ def adam_rollback(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, bet
                          "the previous state); use ping-pong state (param_out/exp_avg_out/exp_avg_sq_out)")
     if n == 0:
         return None
-    _check_no_overlap([("param", p, 4, True, p), ("grad", g, grad.element_size(), False, None),
-                       ("exp_avg", m, 4, True, m), ("exp_avg_sq", v, 4, True, v)], lambda es: n * es)
+    _check_no_overlap([("param", p, 4, True), ("grad", g, grad.element_size(), False), ("exp_avg", m, 4, True),
+                       ("exp_avg_sq", v, 4, True)], n)
     g32, g16 = _grad_addrs(grad, g)
     rc = _adam.rollback(n, p, m, v, g32, g16, int(step), float(lr), float(beta1), float(beta2), float(eps),
                         float(weight_decay), bool(decoupled), float(grad_scale))
