@@ -5,7 +5,7 @@
  * notices non-finite values, which the speculation-then-validation runtime needs per bucket.
  *
  * Everything here is plain C11 so the same kernels build for x86-64 and aarch64 and can be tested
- * under qemu without Python (see tests/aarch64_harness.c).
+ * under qemu without Python (csrc/tests/adam_harness.c, run by tests/test_ext_aarch64.py).
  */
 #ifndef SOCX_ADAM_H
 #define SOCX_ADAM_H

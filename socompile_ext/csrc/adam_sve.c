@@ -5,7 +5,7 @@
  *
  * The parameters, moments and bf16 output are bitwise identical to the other paths. The sum of squares
  * uses even/odd double lanes whose number depends on the vector length, so it may differ from the
- * 16-lane paths in the last bits (tests/aarch64_harness.c checks it to 1e-12 relative). */
+ * 16-lane paths in the last bits (csrc/tests/adam_harness.c checks it to 1e-12 relative). */
 #if defined(__aarch64__)
 #pragma GCC target("+sve")
 #include <arm_sve.h>
