@@ -29,7 +29,14 @@ def resolve_model_factory(model: str | Callable[[], torch.nn.Module]) -> Callabl
 
 def plan_model(model: str | Callable[[], torch.nn.Module], batch: int = 4, seq: int = 256,
                options: Mapping[str, Any] | Options | None = None, fake: bool = True,
-               vocab_size: int | None = None) -> CompileContext:
+               vocab_size: int | None = None, dtype: torch.dtype | None = None,
+               symbolic: bool = False, run_passes: bool = True) -> CompileContext:
+    """Trace ``model`` on (batch, seq) tokens, build the IR, plan it for ``options.target``.
+
+    dtype: cast the model first (e.g. torch.bfloat16 to plan mixed-precision GPU training; the CPU trains fp32).
+    symbolic: trace batch and sequence as symbols, so sizes in the plan are formulas of ``batch`` and ``seq``
+    (slower to trace: about 3x on a 7B model).
+    """
     from . import passes
     from .capture.ir import build_ir
     from .capture.trace import trace_training_graphs
@@ -37,17 +44,44 @@ def plan_model(model: str | Callable[[], torch.nn.Module], batch: int = 4, seq: 
 
     opts = Options.resolve(options)
     factory = resolve_model_factory(model)
-    mode = FakeTensorMode(allow_non_fake_inputs=False) if fake else contextlib.nullcontext()
+    if symbolic and not fake:
+        raise ValueError("symbolic=True needs fake=True (symbolic sizes live in FakeTensorMode's ShapeEnv)")
+    symbol_names: dict[str, str] = {}
+    if symbolic:
+        from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+        mode = FakeTensorMode(allow_non_fake_inputs=False, shape_env=ShapeEnv())
+    else:
+        mode = FakeTensorMode(allow_non_fake_inputs=False) if fake else contextlib.nullcontext()
     with mode:
-        net = factory()
+        # Build in the planning dtype (casting FakeTensor parameters with .to() is not supported).
+        previous = torch.get_default_dtype()
+        if dtype is not None:
+            torch.set_default_dtype(dtype)
+        try:
+            net = factory()
+        finally:
+            torch.set_default_dtype(previous)
+        if dtype is not None:   # buffers built with an explicit dtype (e.g. rotary tables) follow the model
+            for module in net.modules():
+                for name, buf in list(module._buffers.items()):
+                    if buf is not None and buf.is_floating_point():
+                        module._buffers[name] = buf.to(dtype)
         vocab = vocab_size or getattr(getattr(net, "cfg", None), "vocab_size", 256)
-        tokens = torch.randint(0, vocab, (batch, seq))
-        targets = torch.randint(0, vocab, (batch, seq))
+    if symbolic:
+        dynamic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.DYNAMIC])
+        tokens = mode.from_tensor(torch.zeros(batch, seq, dtype=torch.long), symbolic_context=dynamic)
+        symbol_names = {str(tokens.shape[0].node.expr): "batch", str(tokens.shape[1].node.expr): "seq"}
+    with mode:
+        if not symbolic:
+            tokens = torch.randint(0, vocab, (batch, seq))
+        targets = torch.zeros_like(tokens) if symbolic else torch.randint(0, vocab, (batch, seq))
         fw, bw, infos = trace_training_graphs(net, (tokens,), (targets,))
     ctx = CompileContext(options=opts)
     ctx.forward_graph, ctx.backward_graph = fw, bw
     ctx.param_names = {p.input_index: p.name for p in infos}
     ctx.ir = build_ir(fw, bw, infos)
+    ctx.ir.symbol_names = symbol_names
     ctx.plan = plan(ctx.ir, get_profile(opts.target), opts)
-    passes.run_passes(bw, "bw", ctx.plan, ctx)   # claim -1: the graph is for reading, not for running
+    if run_passes:
+        passes.run_passes(bw, "bw", ctx.plan, ctx)   # claim -1: the graph is for reading, not for running
     return ctx

@@ -1,0 +1,87 @@
+"""Command line: ``python -m socompile {demo,plan,dump,doctor}``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _cmd_demo(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="socompile demo", description="train the tiny model on stdlib text")
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--compute", default="inductor", choices=["inductor", "eager"])
+    args = parser.parse_args(argv)
+    from .demo import run_demo
+    losses = run_demo(args.preset, args.steps, args.batch, args.seq, compute=args.compute)
+    return 0 if losses[-1] < losses[0] else 1
+
+
+def _cmd_plan(argv: list[str]) -> int:
+    try:
+        from .plan.cli_commands import cmd_plan
+    except ImportError:
+        cmd_plan = None
+    if cmd_plan is not None:
+        return cmd_plan(argv)
+    parser = argparse.ArgumentParser(prog="socompile plan", description="plan report, no step run")
+    parser.add_argument("--model", default="tiny", help="preset name or pkg.module:function")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--target", default="gh200")
+    parser.add_argument("--bucket-size", default="64MB")
+    parser.add_argument("--json", help="also write the plan as JSON to this path")
+    args = parser.parse_args(argv)
+    from .offline import plan_model
+    from .report import plan_json, plan_table
+    ctx = plan_model(args.model, args.batch, args.seq, {"target": args.target, "bucket_size": args.bucket_size})
+    print(plan_table(ctx.plan, len(ctx.ir.bw_order)))
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(plan_json(ctx.plan))
+    return 0
+
+
+def _cmd_dump(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="socompile dump", description="graphs before/after every pass")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--target", default="gh200")
+    parser.add_argument("--bucket-size", default="1MB")
+    parser.add_argument("--out", default="dumps")
+    args = parser.parse_args(argv)
+    from .offline import plan_model
+    from .report import write_dumps
+    ctx = plan_model(args.model, args.batch, args.seq, {"target": args.target, "bucket_size": args.bucket_size})
+    written = write_dumps(ctx, args.out)
+    print(f"wrote {len(written)} files to {args.out}/")
+    for path in written:
+        print(f"  {path}")
+    return 0
+
+
+def _cmd_doctor(argv: list[str]) -> int:
+    from .doctor import report
+    print(report())
+    return 0
+
+
+COMMANDS = {"demo": _cmd_demo, "plan": _cmd_plan, "dump": _cmd_dump, "doctor": _cmd_doctor}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = {}
+    try:  # the planner adds calibrate/simulate when present
+        from .plan import cli_commands
+        extra = {name[4:]: fn for name, fn in vars(cli_commands).items()
+                 if name.startswith("cmd_") and name[4:] not in COMMANDS}
+    except ImportError:
+        pass
+    commands = {**COMMANDS, **extra}
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print(f"usage: python -m socompile {{{','.join(commands)}}} [options]", file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return commands[argv[0]](argv[1:])

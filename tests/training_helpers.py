@@ -1,0 +1,62 @@
+"""Shared helpers: train a model with socompile and with the eager torch reference on the same data."""
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import socompile
+from socompile.data import ByteBatches, stdlib_corpus
+
+_TEXT = None
+
+
+def batches(n: int, batch: int = 2, seq: int = 32, seed: int = 0):
+    global _TEXT
+    if _TEXT is None:
+        _TEXT = stdlib_corpus(200_000)
+    data = ByteBatches(_TEXT, batch, seq, seed)
+    return [next(data) for _ in range(n)]
+
+
+def lm_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def run_pair(make_model: Callable[[], torch.nn.Module], steps: int = 10, options: dict | None = None,
+             opt_kwargs: dict | None = None, param_groups: Callable | None = None, accumulate: int = 1,
+             clip: float | None = None, loss_fn=lm_loss, data=None, socompile_kwargs: dict | None = None):
+    """Train the same model (same seed, same data) two ways; return (ours, reference, backend, optimizer).
+
+    Reference: eager PyTorch, torch.optim.AdamW (+ clip_grad_norm_ when clip is set)."""
+    torch.manual_seed(0)
+    ours = make_model()
+    ref = copy.deepcopy(ours)
+    opt_kwargs = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, **(opt_kwargs or {}))
+    groups = (lambda m: m.parameters()) if param_groups is None else param_groups
+    opt = socompile.AdamW(groups(ours), max_grad_norm=clip, grad_accumulation_steps=accumulate, **opt_kwargs,
+                          **(socompile_kwargs or {}))
+    ref_opt = torch.optim.AdamW(groups(ref), **opt_kwargs)
+    backend = socompile.SuperOffload({"compute": "eager", **(options or {})})
+    cmodel = torch.compile(ours, backend=backend)
+    data = data if data is not None else batches(steps * accumulate)
+    for step in range(steps):
+        for micro in range(accumulate):
+            x, y = data[step * accumulate + micro]
+            loss_fn(cmodel(x), y).backward()
+            loss_fn(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return ours, ref, backend, opt
+
+
+def assert_same_params(a: torch.nn.Module, b: torch.nn.Module, atol: float = 1e-6, rtol: float = 0.0) -> None:
+    """Default tolerance: see the module docstring of test_backend_training.py (torch's sqrt is not IEEE)."""
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
