@@ -3,7 +3,9 @@ parameter identities, aliases of parameters, and where each gradient is produced
 
 Nodes are keyed ``"fw:<name>"`` / ``"bw:<name>"`` and carry:
 ``phase``, ``order`` (execution index within its phase), ``op`` (target as text), ``bytes`` and ``flops``
-(sympy), ``reads_params`` (names of parameters the node reads, directly or through a view), and
+(plain ``int`` when static, sympy when symbolic; see capture/sizes.py), ``is_view``, ``alias_of`` (the
+parameter this node is, or is a view of, else None),
+``reads_params`` (names of parameters the node reads, directly or through a view), and
 ``stack_trace``. Edges are data dependencies.
 
 NOTE: saved views of parameters. The partitioners save ``aten.t(primals_k)``-style views of weights for the
@@ -20,7 +22,7 @@ import torch
 from torch import fx
 
 from .params import ParamInfo
-from .sizes import node_flops, tensor_bytes
+from .sizes import free_symbols, node_flops, shape_env_values, tensor_bytes
 
 
 @dataclasses.dataclass
@@ -33,12 +35,14 @@ class IR:
     grad_output_index: dict[str, int]         # param name -> position in the backward graph's outputs
     bw_readers: dict[str, list[str]]          # param name -> bw node keys that read it (or an alias)
     fw_readers: dict[str, list[str]]
+    symbol_values: dict[str, int] = dataclasses.field(default_factory=dict)  # hint of each symbol (trace shape)
+    symbol_names: dict[str, str] = dataclasses.field(default_factory=dict)   # e.g. {"s31": "batch"} for reports
 
     @property
     def symbols(self) -> list[sympy.Symbol]:
         free: set[sympy.Symbol] = set()
         for _, data in self.graph.nodes(data=True):
-            free |= data["bytes"].free_symbols | data["flops"].free_symbols
+            free |= free_symbols(data["bytes"]) | free_symbols(data["flops"])
         return sorted(free, key=str)
 
     def grad_order(self) -> list[str]:
@@ -84,7 +88,8 @@ def _add_phase(g: nx.DiGraph, gm: fx.GraphModule, phase: str, alias: dict[str, s
         for p in sorted(reads):
             readers.setdefault(p, []).append(key)
         g.add_node(key, phase=phase, order=i, op=str(node.target) if node.op != "placeholder" else "placeholder",
-                   kind=node.op, bytes=tensor_bytes(node.meta.get("val")), flops=node_flops(node),
+                   kind=node.op, is_view=_is_view(node), alias_of=local_alias.get(node.name),
+                   bytes=tensor_bytes(node.meta.get("val")), flops=node_flops(node),
                    reads_params=tuple(sorted(reads)), stack_trace=node.meta.get("stack_trace"))
         for inp in node.all_input_nodes:
             g.add_edge(f"{phase}:{inp.name}", key)
@@ -111,5 +116,12 @@ def build_ir(fw: fx.GraphModule, bw: fx.GraphModule, params: list[ParamInfo]) ->
         if isinstance(value, fx.Node) and idx in param_by_input:
             grad_node[param_by_input[idx]] = f"bw:{value.name}"
             grad_index[param_by_input[idx]] = position
+    hints: dict[str, int] = {}
+    for node in fw.graph.nodes:
+        if node.op == "placeholder":
+            hints = shape_env_values(node.meta.get("val"))
+            if hints:
+                break
     return IR(graph=g, params={p.name: p for p in params}, fw_order=fw_order, bw_order=bw_order,
-              grad_node=grad_node, grad_output_index=grad_index, bw_readers=bw_readers, fw_readers=fw_readers)
+              grad_node=grad_node, grad_output_index=grad_index, bw_readers=bw_readers, fw_readers=fw_readers,
+              symbol_values=hints)

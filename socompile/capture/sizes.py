@@ -1,7 +1,11 @@
-"""Sizes and FLOPs of FX nodes as sympy expressions of Dynamo's symbolic shapes.
+"""Sizes and FLOPs of FX nodes, as plain ints or as sympy expressions of Dynamo's symbolic shapes.
 
 A node's ``meta["val"]`` is a FakeTensor whose sizes may be SymInts (dynamic batch or sequence); we keep
 them symbolic so one plan can be evaluated for many shapes ("peak = 2.1 GB + 0.37 MB * s0").
+
+NOTE: ints where possible. A 7B trace has ~20k nodes; building a sympy Integer product for each static size
+cost seconds of planning time and nothing else. Values are plain ``int`` unless a size is symbolic, so
+consumers must accept ``int | sympy.Expr`` (``sympy.sympify`` or ``getattr(x, "free_symbols", ())``).
 """
 from __future__ import annotations
 
@@ -12,30 +16,37 @@ from torch.utils.flop_counter import flop_registry
 
 
 def to_sympy(value) -> sympy.Expr:
+    """A size as a sympy expression (always sympy; see ``to_expr`` for the int-preserving form)."""
+    return sympy.sympify(to_expr(value))
+
+
+def to_expr(value) -> int | sympy.Expr:
+    """A size as a plain int when static, a sympy expression when symbolic."""
     if isinstance(value, torch.SymInt):
-        return sympy.sympify(value.node.expr)
-    return sympy.Integer(int(value))
+        expr = value.node.expr
+        return int(expr) if expr.is_Integer else expr
+    return int(value)
 
 
-def tensor_bytes(value) -> sympy.Expr:
+def tensor_bytes(value) -> int | sympy.Expr:
     """Bytes of every tensor in a node's value (tuples and lists summed); 0 for non-tensors."""
-    total = sympy.Integer(0)
+    total: int | sympy.Expr = 0
     for leaf in tree_flatten(value)[0]:
         if isinstance(leaf, torch.Tensor):
-            numel = sympy.Integer(1)
+            numel: int | sympy.Expr = 1
             for dim in leaf.shape:
-                numel *= to_sympy(dim)
-            total += numel * leaf.element_size()
+                numel = numel * to_expr(dim)
+            total = total + numel * leaf.element_size()
     return total
 
 
-def node_flops(node) -> sympy.Expr:
+def node_flops(node) -> int | sympy.Expr:
     """FLOPs of matmul/attention/convolution nodes via torch's own flop formulas; 0 for the rest."""
     target = getattr(node, "target", None)
     packet = getattr(target, "overloadpacket", None)
     formula = flop_registry.get(packet) or flop_registry.get(target)
     if formula is None:
-        return sympy.Integer(0)
+        return 0
 
     def value_of(arg):
         return arg.meta.get("val") if hasattr(arg, "meta") else arg
@@ -45,5 +56,24 @@ def node_flops(node) -> sympy.Expr:
     try:
         flops = formula(*args, **kwargs, out_val=node.meta.get("val"))
     except Exception:  # a formula that cannot read these args: count nothing rather than fail planning
-        return sympy.Integer(0)
-    return to_sympy(flops)
+        return 0
+    return to_expr(flops)
+
+
+def free_symbols(value) -> set:
+    """Free sympy symbols of an int-or-expression size."""
+    return set(getattr(value, "free_symbols", ()))
+
+
+def shape_env_values(value) -> dict[str, int]:
+    """Concrete hint of every backed symbol known to the ShapeEnv of a FakeTensor value ({} when static)."""
+    for leaf in tree_flatten(value)[0]:
+        mode = getattr(leaf, "fake_mode", None)
+        env = getattr(mode, "shape_env", None)
+        if env is None:
+            continue
+        table = getattr(env, "backed_var_to_val", None)
+        if table is None:
+            table = env.var_to_val
+        return {str(k): int(v) for k, v in table.items()}
+    return {}

@@ -1,9 +1,24 @@
-"""Hardware profiles: the machine a plan is made for. Each number cites its source."""
+"""Hardware profiles: the machine a plan is made for. Each number cites its source.
+
+A profile is frozen data. Shipped profiles live in ``PROFILES``; a user profile is a JSON or TOML file with the
+same field names (``load_profile``); ``this-machine`` is measured by ``socompile.plan.calibrate`` and cached
+in a profile file. ``get_profile`` accepts a name, ``this-machine`` or a path.
+"""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import pathlib
 
 GB = 10**9
+
+# NOTE: CPU Adam bytes per parameter. One fused AdamW pass reads p, g, m, v and writes p, m, v: 7 fp32 streams =
+# 28 B/param (26 with bf16 gradients; +2 when it also writes the bf16 weight copy). The blog's GraceAdam table
+# (8B params in 0.608 s on GH200) is 28 B/param at ~368 GB/s. cost.py and calibrate.py both use these.
+ADAM_BYTES_FP32_GRAD = 28
+ADAM_BYTES_BF16_GRAD = 26
+ADAM_BYTES_BF16_COPY = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,27 +32,125 @@ class HardwareProfile:
     host_cores: int
     link_bandwidth: float         # bytes/s per direction between GPU and CPU
     link_latency: float           # seconds per transfer
+    cpu_adam_bandwidth: float = 0.0   # bytes/s the CPU Adam kernel streams (0: 70% of host_bandwidth)
+    device_reserved: int = 2 * GB     # bytes of device memory not available to the plan (context, allocator slack)
+    link_bandwidth_d2h: float = 0.0   # bytes/s device->host if different from link_bandwidth (0: same)
+    source: str = ""                  # where the numbers come from (shown in reports)
+
+    @property
+    def adam_bandwidth(self) -> float:
+        """Bytes/s of the CPU Adam kernel (measured, quoted, or 70% of the host's memory bandwidth)."""
+        return self.cpu_adam_bandwidth or 0.70 * self.host_bandwidth
+
+    @property
+    def cpu_adam_params_per_s(self) -> float:
+        """Parameters/s of one fp32 AdamW step on the CPU (28 B/param)."""
+        return self.adam_bandwidth / ADAM_BYTES_FP32_GRAD
+
+    @property
+    def h2d_bandwidth(self) -> float:
+        return self.link_bandwidth
+
+    @property
+    def d2h_bandwidth(self) -> float:
+        return self.link_bandwidth_d2h or self.link_bandwidth
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 PROFILES: dict[str, HardwareProfile] = {
     # NVIDIA GH200 datasheet: 96 GB HBM3 at ~4 TB/s, H100 dense bf16 ~989 TFLOP/s, up to 480 GB LPDDR5X at
-    # ~500 GB/s, 72 Neoverse V2 cores, NVLink-C2C 900 GB/s total = 450 GB/s per direction.
-    "gh200": HardwareProfile("gh200", 96 * GB, 4.0e12, 989e12, 480 * GB, 500e9, 72, 450e9, 5e-6),
+    # ~500 GB/s, 72 Neoverse V2 cores, NVLink-C2C 900 GB/s total = 450 GB/s per direction. CPU Adam: the
+    # SuperOffload blog's GraceAdam, 8B params in 0.608 s at 28 B/param = 368 GB/s.
+    "gh200": HardwareProfile("gh200", 96 * GB, 4.0e12, 989e12, 480 * GB, 500e9, 72, 450e9, 5e-6,
+                             cpu_adam_bandwidth=368e9, source="NVIDIA GH200 datasheet; SuperOffload blog"),
     # GH200 with 144 GB HBM3e at ~4.9 TB/s (same Grace side).
-    "gh200-144g": HardwareProfile("gh200-144g", 144 * GB, 4.9e12, 989e12, 480 * GB, 500e9, 72, 450e9, 5e-6),
+    "gh200-144g": HardwareProfile("gh200-144g", 144 * GB, 4.9e12, 989e12, 480 * GB, 500e9, 72, 450e9, 5e-6,
+                                  cpu_adam_bandwidth=368e9, source="NVIDIA GH200 (HBM3e) datasheet"),
     # H100 PCIe datasheet: 80 GB HBM2e at 2 TB/s, ~756 TFLOP/s dense bf16; PCIe Gen5 x16 64 GB/s per direction,
-    # ~55 achieved. Host: a typical 2-socket server, 1 TB DDR5 at ~300 GB/s, 64 cores.
-    "h100-pcie": HardwareProfile("h100-pcie", 80 * GB, 2.0e12, 756e12, 1000 * GB, 300e9, 64, 55e9, 10e-6),
+    # ~55 achieved. Host: a typical 2-socket server, 1 TB DDR5 at ~300 GB/s, 64 cores. CPU Adam: 58% of the
+    # host bandwidth, DeepSpeed CPU-Adam's fraction on Grace in the blog (x86 AVX-512 reaches about the same).
+    "h100-pcie": HardwareProfile("h100-pcie", 80 * GB, 2.0e12, 756e12, 1000 * GB, 300e9, 64, 55e9, 10e-6,
+                                 cpu_adam_bandwidth=0.58 * 300e9, source="NVIDIA H100 PCIe datasheet; PCIe Gen5"),
     # A100 PCIe datasheet: 80 GB HBM2e at ~1.9 TB/s, 312 TFLOP/s dense bf16; PCIe Gen4 x16 32 GB/s per
-    # direction, ~25 achieved. Host: 2-socket DDR4 server, ~200 GB/s, 64 cores.
-    "a100-pcie": HardwareProfile("a100-pcie", 80 * GB, 1.9e12, 312e12, 1000 * GB, 200e9, 64, 25e9, 10e-6),
+    # direction, ~25 achieved. Host: 2-socket DDR4 server, ~200 GB/s, 64 cores; CPU Adam at 58% as above.
+    "a100-pcie": HardwareProfile("a100-pcie", 80 * GB, 1.9e12, 312e12, 1000 * GB, 200e9, 64, 25e9, 10e-6,
+                                 cpu_adam_bandwidth=0.58 * 200e9, source="NVIDIA A100 PCIe datasheet; PCIe Gen4"),
 }
+
+THIS_MACHINE = "this-machine"
+
+
+def profile_cache_path() -> pathlib.Path:
+    """Where ``calibrate`` stores this machine's profile (SOCOMPILE_PROFILE_DIR or ~/.cache/socompile)."""
+    base = os.environ.get("SOCOMPILE_PROFILE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "socompile")
+    return pathlib.Path(base) / f"{THIS_MACHINE}.json"
+
+
+def profile_from_dict(data: dict, default_name: str = "user") -> HardwareProfile:
+    """Build a profile from a mapping with HardwareProfile's field names; errors name the bad key."""
+    fields = {f.name: f for f in dataclasses.fields(HardwareProfile)}
+    data = dict(data)
+    data.setdefault("name", default_name)
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        import difflib
+        hints = [f"{k!r} (did you mean {difflib.get_close_matches(k, list(fields), n=1)[0]!r}?)"
+                 if difflib.get_close_matches(k, list(fields), n=1) else repr(k) for k in unknown]
+        raise ValueError(f"hardware profile has unknown key(s) {', '.join(hints)}; known: {', '.join(fields)}")
+    required = [f.name for f in fields.values() if f.default is dataclasses.MISSING]
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise ValueError(f"hardware profile {data['name']!r} misses {', '.join(missing)}")
+    for key in ("device_memory", "host_memory", "host_cores", "device_reserved"):
+        if key in data:
+            data[key] = int(data[key])
+    for key, value in data.items():
+        if key not in ("name", "source") and float(value) < 0:
+            raise ValueError(f"hardware profile field {key} must be >= 0, got {value!r}")
+    return HardwareProfile(**data)
+
+
+def load_profile(path: str | os.PathLike) -> HardwareProfile:
+    """A user profile from a ``.json`` or ``.toml`` file (same keys as HardwareProfile)."""
+    path = pathlib.Path(path)
+    if path.suffix == ".toml":
+        import tomllib
+        data = tomllib.loads(path.read_text())
+        data = data.get("profile", data)   # allow a [profile] table or top-level keys
+    else:
+        data = json.loads(path.read_text())
+    return profile_from_dict(data, default_name=path.stem)
+
+
+def save_profile(profile: HardwareProfile, path: str | os.PathLike) -> pathlib.Path:
+    """Write a profile as JSON (sorted keys; ``load_profile`` reads it back)."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile.to_dict(), sort_keys=True, indent=1) + "\n")
+    return path
 
 
 def get_profile(name: str) -> HardwareProfile:
-    if name not in PROFILES:
-        import difflib
-        close = difflib.get_close_matches(name, list(PROFILES), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"unknown target {name!r}{hint}; known targets: {', '.join(PROFILES)}")
-    return PROFILES[name]
+    """A shipped profile by name, ``this-machine`` (measured once, then cached), or a profile file path."""
+    if name in PROFILES:
+        return PROFILES[name]
+    if name == THIS_MACHINE:
+        cached = profile_cache_path()
+        if cached.exists():
+            return load_profile(cached)
+        from .calibrate import calibrate
+        profile = calibrate(quick=True)
+        save_profile(profile, cached)
+        return profile
+    if name.endswith((".json", ".toml")) or os.sep in name:
+        if not os.path.exists(name):
+            raise ValueError(f"hardware profile file {name!r} does not exist")
+        return load_profile(name)
+    import difflib
+    known = [*PROFILES, THIS_MACHINE]
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(f"unknown target {name!r}{hint}; known targets: {', '.join(known)}, or a .json/.toml "
+                     f"profile file")

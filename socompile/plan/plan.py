@@ -22,6 +22,12 @@ class BucketPlan:
     prefetch_distance: int = 0
     cast_site: str = "device"      # where fp32<->bf16 casts run
     link_dtype: str = "float32"    # precision of gradients crossing the link
+    param_link_dtype: str = "float32"  # precision of updated weights crossing the link back to the device
+    cast_reason: str = ""          # why the planner put the casts there (numbers from the profile)
+    rollback: str = "exact"        # "exact": ping-pong optimizer state; "inverse": algebraic undo (host memory tight)
+    layers: str = ""               # layer groups of its parameters, e.g. "layers.30-layers.31" (reports)
+    ready_s: float = 0.0           # predicted: seconds from step start when its gradients start moving / stepping
+    stepped_s: float = 0.0         # predicted: seconds from step start when its optimizer step has finished
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +37,8 @@ class Plan:
     buckets: tuple[BucketPlan, ...]
     unoptimized_params: tuple[str, ...]   # params with gradients but no socompile optimizer: keep .grad
     predicted: tuple[tuple[str, Any], ...] = ()   # named predictions (bytes, seconds) for the report
+    recompute: str = "none"        # "none" or "layers": per-layer activation checkpointing (modelled; see docs)
+    decisions: tuple[str, ...] = ()   # one line per decision, with its reason (reports)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -43,7 +51,11 @@ class Plan:
         buckets = tuple(BucketPlan(**{**b, "params": tuple(b["params"])}) for b in data["buckets"])
         return cls(target=data["target"], bucket_size=data["bucket_size"], buckets=buckets,
                    unoptimized_params=tuple(data["unoptimized_params"]),
-                   predicted=tuple(tuple(p) for p in data.get("predicted", ())))
+                   predicted=tuple(tuple(p) for p in data.get("predicted", ())),
+                   recompute=data.get("recompute", "none"), decisions=tuple(data.get("decisions", ())))
+
+    def prediction(self, key: str, default: Any = None) -> Any:
+        return dict(self.predicted).get(key, default)
 
     def bucket_of(self, param: str) -> BucketPlan:
         for bucket in self.buckets:

@@ -1,15 +1,42 @@
-"""The planner: ``plan(ir, hw, options) -> Plan``. Pure and deterministic.
+"""The planner: ``plan(ir, hw, options) -> Plan``. Pure and deterministic (same input, byte-identical JSON).
 
-This first planner buckets gradients in backward order and steps every bucket on the CPU; the cost model
-(issue 4) will choose GPU-resident buckets, weight flow, cast sites and prefetch distances.
+Decisions, in this order (each reads the cost model; docs/planner.md explains them with numbers):
+1. Buckets: parameters in the order backward produces their gradients, ``options.bucket_size`` fp32 bytes each.
+2. Casts and link precision (per bucket, from bandwidths): gradients cross in the model's own dtype (the CPU
+   kernel reads bf16 directly, an fp32 upcast carries no information); updated weights cross as fp32 and are
+   cast on the GPU when ``4n/link < 2n/link + 2n/cpu_adam_bw`` (C2C), else are cast on the CPU (PCIe).
+3. Activation checkpointing (modelled): only when activations alone leave no room for the weights.
+4. GPU-resident buckets and weight flow, jointly: for each candidate count K of GPU-resident buckets (the last
+   K, whose gradients arrive last), make memory fit by streaming the CPU buckets whose transfers hide best
+   (``t_compute(reads) / t_transfer`` highest first), give each flow bucket the prefetch distance that hides its
+   transfer, then replay the step in the simulator. The fastest feasible K wins (ties: fewer on the GPU).
+   ``options.gpu_buckets`` pins K.
+5. Rollback mode per CPU bucket: exact (ping-pong state) while host memory allows, else the algebraic inverse.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
+
+import sympy
+
 from ..capture.ir import IR
 from ..options import Options
+from .analysis import GraphCosts, analyze, layer_group
 from .bucketize import FP32_BYTES, bucketize
-from .hardware import HardwareProfile
+from .cost import CostModel
+from .hardware import GB, HardwareProfile
+from .memory import MemoryEstimate, device_memory, host_memory
 from .plan import BucketPlan, Plan
+from .simulate import simulate
+
+MAX_PREFETCH = 8          # buffers beyond this cost memory and no longer hide anything on these profiles
+HOST_HEADROOM = 0.90      # fraction of host memory the plan may use (the OS, the data loader, Python)
+FULL_SEARCH = 48          # try every K up to this many buckets; beyond, a grid then a local refinement
+
+
+class PlanError(ValueError):
+    """No plan fits; the message names the minimum memory and what to change."""
 
 
 def ready_position(ir: IR, params: list[str]) -> int:
@@ -23,15 +50,339 @@ def ready_position(ir: IR, params: list[str]) -> int:
     return last
 
 
-def plan(ir: IR, hw: HardwareProfile, options: Options) -> Plan:
+def _dtype_name(nbytes: int) -> str:
+    return "bfloat16" if nbytes == 2 else "float32"
+
+
+def _layers_text(names) -> str:
+    groups = []
+    for n in names:
+        g = layer_group(n)
+        if g not in groups:
+            groups.append(g)
+    return groups[0] if len(groups) == 1 else f"{groups[-1]}..{groups[0]}" if len(groups) > 2 \
+        else f"{groups[1]},{groups[0]}"
+
+
+@dataclasses.dataclass
+class _Context:
+    ir: IR
+    hw: HardwareProfile
+    options: Options
+    cost: CostModel
+    costs: GraphCosts
+    weight_bytes: int
+    budget: float
+    unoptimized_numel: int
+    activations: float
+    activations_expr: object
+
+
+@dataclasses.dataclass
+class PlanDetails:
+    """What the planner computed on the way, for reports and the simulator (not part of the Plan)."""
+    plan: Plan
+    cost: CostModel
+    costs: GraphCosts
+    simulation: object        # SimResult of the chosen plan
+    zero_offload: object      # SimResult of the ZeRO-Offload schedule on the same buckets
+
+
+def plan(ir: IR, hw: HardwareProfile, options: Options, shapes: dict[str, int] | None = None) -> Plan:
+    """Plan one compiled graph for ``hw``. ``shapes`` overrides the symbols' values (default: trace shapes)."""
+    return plan_with_details(ir, hw, options, shapes).plan
+
+
+def plan_with_details(ir: IR, hw: HardwareProfile, options: Options,
+                      shapes: dict[str, int] | None = None) -> PlanDetails:
+    cost = CostModel(hw, {**ir.symbol_values, **(shapes or {})})
+    costs = analyze(ir, cost)
     order = [name for name in ir.grad_order() if ir.params[name].optimized]
-    groups = bucketize([(n, ir.params[n].numel) for n in order], options.bucket_size)
+    optimized = [ir.params[n] for n in order]
+    weight_bytes = 2 if optimized and all(p.dtype in ("torch.bfloat16", "torch.float16") for p in optimized) else 4
+    unoptimized = tuple(n for n in ir.grad_order() if not ir.params[n].optimized)
+    in_buckets = set(order)
+    unopt_numel = sum(p.numel for p in ir.params.values() if p.name not in in_buckets)
+    budget = float(options.device_memory_budget if options.device_memory_budget is not None
+                   else hw.device_memory - hw.device_reserved)
+    ctx = _Context(ir, hw, options, cost, costs, weight_bytes, budget, unopt_numel, costs.activation_peak,
+                   costs.activation_peak_expr)
+    decisions: list[str] = []
+
+    base = _base_buckets(ir, order, options.bucket_size, ctx, decisions)
+    recompute = "none"
+    if _min_device(ctx, base).device_peak > budget:
+        ckpt = costs.activation_peak - costs.saved_bytes + costs.checkpoint_bytes + costs.max_layer_saved
+        if ckpt < costs.activation_peak:
+            ctx.activations = ckpt
+            ctx.activations_expr = _expr_sub(costs.activation_peak_expr, costs.saved_expr, costs.checkpoint_expr,
+                                             costs.max_layer_saved_expr)
+            recompute = "layers"
+            decisions.append(f"activation checkpointing per layer: activations {costs.activation_peak / GB:.1f} GB "
+                             f"-> {ckpt / GB:.1f} GB (recompute adds {costs.layer_fw_time * 1e3:.1f} ms)")
+    minimum = _min_device(ctx, base)
+    if minimum.device_peak > budget:
+        raise PlanError(_infeasible_message(ctx, minimum, recompute))
+
+    best = _choose_gpu_buckets(ctx, base, recompute, decisions)
+    buckets, memory, sim = best
+    buckets, host_total, host_pinned, host_parts = _rollback_modes(ctx, buckets, decisions)
+    names = ctx.ir.symbol_names
+    zero = simulate(_plan_of(ctx, buckets, recompute, ()), costs, cost, "zero-offload")
+    predicted = (
+        ("shapes", tuple(sorted((names.get(k, k), v) for k, v in cost.symbol_values.items()))),
+        ("param_dtype_bytes", weight_bytes),
+        ("device_budget_bytes", int(budget)),
+        ("device_peak_bytes", int(memory.device_peak)),
+        ("device_peak_formula", _formula(memory.device_expr, names)),
+        ("device_parts", tuple((k, int(v)) for k, v in memory.device_parts)),
+        ("activations_bytes", int(ctx.activations)),
+        ("activations_formula", _formula(ctx.activations_expr, names)),
+        ("host_bytes", int(host_total)),
+        ("host_pinned_bytes", int(host_pinned)),
+        ("host_parts", tuple((k, int(v)) for k, v in host_parts)),
+        ("gpu_buckets", sum(1 for b in buckets if b.optimizer_site == "device")),
+        ("flow_buckets", sum(1 for b in buckets if b.weight_mode == "flow")),
+        ("model_flops", int(costs.fw_flops + costs.bw_flops)),
+        *((k, v) for k, v in sorted(sim.summary().items()) if k != "schedule"),
+        ("zero_offload_step_time_s", round(zero.step_time, 6)),
+        ("speedup_vs_zero_offload", round(zero.step_time / sim.step_time, 3) if sim.step_time else 0.0),
+    )
+    times = sim.bucket_times()
+    buckets = [dataclasses.replace(b, ready_s=round(times.get(b.index, (sim.backward_end,) * 2)[0], 6),
+                                   stepped_s=round(times.get(b.index, (0.0, sim.step_time))[1], 6))
+               for b in buckets]
+    final = _plan_of(ctx, buckets, recompute, predicted, tuple(decisions), unoptimized)
+    return PlanDetails(final, cost, costs, sim, zero)
+
+
+def _plan_of(ctx: _Context, buckets, recompute, predicted, decisions=(), unoptimized=()) -> Plan:
+    predicted = predicted or (("param_dtype_bytes", ctx.weight_bytes),)
+    return Plan(target=ctx.hw.name, bucket_size=ctx.options.bucket_size, buckets=tuple(buckets),
+                unoptimized_params=tuple(unoptimized), predicted=tuple(predicted), recompute=recompute,
+                decisions=tuple(decisions))
+
+
+def _base_buckets(ir: IR, order: list[str], bucket_size: int, ctx: _Context, decisions: list[str]):
+    groups = bucketize([(n, ir.params[n].numel) for n in order], bucket_size)
+    hw, cost, wb = ctx.hw, ctx.cost, ctx.weight_bytes
+    grad_dtype = _dtype_name(wb)
+    if wb == 4:
+        cast_site, param_dtype = "device", "float32"
+        reason = "weights train in float32: no cast; gradients and weights cross as float32"
+    else:
+        t_device = 4 / hw.h2d_bandwidth
+        t_cpu = 2 / hw.h2d_bandwidth + 2 / hw.adam_bandwidth
+        if t_device <= t_cpu:
+            cast_site, param_dtype = "device", "float32"
+        else:
+            cast_site, param_dtype = "cpu", "bfloat16"
+        reason = (f"fp32 over the link {t_device * 1e12:.1f} ps/param vs bf16 + CPU cast "
+                  f"{t_cpu * 1e12:.1f} ps/param (link {hw.h2d_bandwidth / 1e9:.0f} GB/s, CPU Adam "
+                  f"{hw.adam_bandwidth / 1e9:.0f} GB/s): cast on the {'GPU' if cast_site == 'device' else 'CPU'}; "
+                  f"gradients cross as bf16, read directly by the CPU kernel")
+    decisions.append(f"casts: {reason}")
     buckets = []
     for index, names in enumerate(groups):
         pos = ready_position(ir, names)
         numel = sum(ir.params[n].numel for n in names)
         buckets.append(BucketPlan(index=index, params=tuple(names), numel=numel, grad_bytes=numel * FP32_BYTES,
-                                  optimizer_site="cpu", ready_after=ir.bw_order[pos], ready_position=pos))
-    unoptimized = tuple(n for n in ir.grad_order() if not ir.params[n].optimized)
-    return Plan(target=hw.name, bucket_size=options.bucket_size, buckets=tuple(buckets),
-                unoptimized_params=unoptimized)
+                                  optimizer_site="cpu", ready_after=ir.bw_order[pos], ready_position=pos,
+                                  cast_site=cast_site, link_dtype=grad_dtype, param_link_dtype=param_dtype,
+                                  cast_reason=reason, layers=_layers_text(names)))
+    return buckets
+
+
+def _device(ctx: _Context, buckets) -> MemoryEstimate:
+    return device_memory(buckets, ctx.weight_bytes, ctx.activations, ctx.activations_expr, ctx.unoptimized_numel)
+
+
+def _min_device(ctx: _Context, base) -> MemoryEstimate:
+    """Device memory with everything on the CPU and every bucket streamed at distance 1: the least we can do."""
+    flows = [dataclasses.replace(b, weight_mode="flow", prefetch_distance=1, cast_site="cpu",
+                                 param_link_dtype=_dtype_name(ctx.weight_bytes)) for b in base]
+    return _device(ctx, flows)
+
+
+def _infeasible_message(ctx: _Context, minimum: MemoryEstimate, recompute: str) -> str:
+    parts = ", ".join(f"{k} {v / GB:.2f} GB" for k, v in minimum.device_parts if v)
+    return (f"no plan fits in {ctx.budget / GB:.2f} GB of device memory on {ctx.hw.name}: even with every "
+            f"optimizer bucket on the CPU, every weight streamed and "
+            f"{'per-layer activation checkpointing' if recompute != 'none' else 'no checkpointing possible'}, "
+            f"the step needs at least {minimum.device_peak / GB:.2f} GB ({parts}); activations = "
+            f"{_formula(ctx.activations_expr, ctx.ir.symbol_names)} bytes. Reduce the sequence length or batch, "
+            f"or choose a target with at least {math.ceil(minimum.device_peak / GB + ctx.hw.device_reserved / GB)}"
+            f" GB of device memory (or raise device_memory_budget).")
+
+
+def _transfer_order(ctx: _Context, cpu_buckets) -> list[int]:
+    """CPU buckets, best candidates for weight flow first: compute that reads them / time to stream them."""
+    ratios = []
+    fw_times = ctx.costs.fw_times
+    ir = ctx.ir
+    for b in cpu_buckets:
+        reads = {ir.graph.nodes[k]["order"] for p in b.params for k in ir.fw_readers.get(p, ())}
+        compute = sum(fw_times[i] for i in reads)
+        ratios.append((-(compute / ctx.cost.transfer_time(b.numel * 2, "h2d")), b.index))
+    return [i for _, i in sorted(ratios)]
+
+
+def _prefetch_distances(ctx: _Context, buckets, flow: set[int]) -> dict[int, int]:
+    """Smallest distance d such that the compute of the d previous flow windows covers each transfer."""
+    uses = []
+    for b in buckets:
+        if b.index in flow:
+            first = min((ctx.costs.fw_uses[p][0] for p in b.params if p in ctx.costs.fw_uses), default=0)
+            uses.append((first, b.index))
+    uses.sort()
+    prefix = [0.0]
+    for t in ctx.costs.fw_times:
+        prefix.append(prefix[-1] + t)
+    out = {}
+    for j, (pos, idx) in enumerate(uses):
+        need = ctx.cost.transfer_time(buckets[idx].numel * 2, "h2d")
+        d = 1
+        while d < MAX_PREFETCH and j - d >= 0 and prefix[pos] - prefix[uses[j - d][0]] < need:
+            d += 1
+        out[idx] = d
+    return out
+
+
+def _with_k(ctx: _Context, base, k: int, order_cache: dict):
+    """Buckets with the last k on the GPU and just enough CPU buckets streamed to fit; None if nothing fits."""
+    n = len(base)
+    buckets = [dataclasses.replace(b, optimizer_site="device", cast_site="device", link_dtype="none",
+                                   param_link_dtype="none", cast_reason="stepped on the GPU: nothing crosses")
+               if b.index >= n - k else b for b in base]
+    memory = _device(ctx, buckets)
+    if memory.device_peak <= ctx.budget:
+        return buckets, memory
+    if "order" not in order_cache:
+        order_cache["order"] = _transfer_order(ctx, base)
+    # Stream buckets in order until the weights saved pay for the (distance-1) buffers and the excess.
+    excess = memory.device_peak - ctx.budget
+    flow: set[int] = set()
+    saved = largest = 0
+    for idx in order_cache["order"]:
+        if idx >= n - k:
+            continue
+        flow.add(idx)
+        saved += base[idx].numel * ctx.weight_bytes
+        largest = max(largest, base[idx].numel)
+        if saved - 2 * largest * 2 < excess:
+            continue
+        trial = _apply_flow(ctx, buckets, flow, _prefetch_distances(ctx, base, flow))
+        memory = _device(ctx, trial)
+        if memory.device_peak > ctx.budget:   # the hiding distances need more buffers than fit: use 1
+            trial = _apply_flow(ctx, buckets, flow, {i: 1 for i in flow})
+            memory = _device(ctx, trial)
+        if memory.device_peak <= ctx.budget:
+            return trial, memory
+    return None
+
+
+def _apply_flow(ctx: _Context, buckets, flow: set[int], dist: dict[int, int]):
+    name = _dtype_name(ctx.weight_bytes)
+    return [dataclasses.replace(b, weight_mode="flow", prefetch_distance=dist.get(b.index, 1), cast_site="cpu",
+                                param_link_dtype=name,
+                                cast_reason="weights flow from host memory as bf16: the CPU kernel writes the "
+                                            "bf16 copy in the same pass" if ctx.weight_bytes == 2 else
+                                            "weights flow from host memory in float32: no cast")
+            if b.index in flow else b for b in buckets]
+
+
+def _choose_gpu_buckets(ctx: _Context, base, recompute: str, decisions: list[str]):
+    n = len(base)
+    cache: dict = {}
+    results: dict[int, tuple] = {}
+
+    def evaluate(k: int):
+        if k in results:
+            return results[k]
+        made = _with_k(ctx, base, k, cache)
+        if made is None:
+            results[k] = None
+            return None
+        buckets, memory = made
+        sim = simulate(_plan_of(ctx, buckets, recompute, ()), ctx.costs, ctx.cost)
+        results[k] = (buckets, memory, sim)
+        return results[k]
+
+    pinned = ctx.options.gpu_buckets
+    if pinned is not None:
+        if not 0 <= pinned <= n:
+            raise PlanError(f"gpu_buckets={pinned} but the model has {n} bucket(s); choose 0..{n} or None")
+        got = evaluate(pinned)
+        if got is None:
+            raise PlanError(f"gpu_buckets={pinned} does not fit in {ctx.budget / GB:.2f} GB of device memory "
+                            f"even with weight flow; use fewer GPU buckets or leave gpu_buckets=None")
+        decisions.append(f"GPU-resident buckets: {pinned} of {n} (pinned by options.gpu_buckets)")
+        return got
+    # Largest feasible K (memory grows with K), by bisection.
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _with_k(ctx, base, mid, cache) is not None:
+            lo = mid
+        else:
+            hi = mid - 1
+    k_max = lo
+    if k_max + 1 <= FULL_SEARCH:
+        candidates = list(range(k_max + 1))
+    else:
+        step = max(1, k_max // FULL_SEARCH)
+        candidates = sorted({*range(0, k_max + 1, step), k_max})
+    for k in candidates:
+        evaluate(k)
+    best_k = min((k for k in results if results[k] is not None), key=lambda k: (results[k][2].step_time, k))
+    if k_max + 1 > FULL_SEARCH:   # refine around the best grid point
+        step = max(1, k_max // FULL_SEARCH)
+        for k in range(max(0, best_k - step), min(k_max, best_k + step) + 1):
+            evaluate(k)
+        best_k = min((k for k in results if results[k] is not None), key=lambda k: (results[k][2].step_time, k))
+    sim = results[best_k][2]
+    decisions.append(f"GPU-resident buckets: {best_k} of {n} (chosen: fastest simulated step {sim.step_time:.4f} s "
+                     f"among {len(results)} candidates, up to {k_max} fit in memory)")
+    flows = sum(1 for b in results[best_k][0] if b.weight_mode == "flow")
+    if flows:
+        decisions.append(f"weight flow: {flows} bucket(s) streamed from host memory to fit "
+                         f"{ctx.budget / GB:.1f} GB (compute-heavy buckets first, so transfers hide)")
+    return results[best_k]
+
+
+def _rollback_modes(ctx: _Context, buckets, decisions: list[str]):
+    limit = ctx.hw.host_memory * HOST_HEADROOM
+    total, pinned, parts = host_memory(buckets, ctx.weight_bytes)
+    if total <= limit:
+        return buckets, total, pinned, parts
+    # Drop ping-pong copies, largest-numel CPU buckets first (ties: index), until host memory fits.
+    out = list(buckets)
+    for b in sorted((b for b in buckets if b.optimizer_site == "cpu"), key=lambda b: (-b.numel, b.index)):
+        out[b.index] = dataclasses.replace(b, rollback="inverse")
+        total, pinned, parts = host_memory(out, ctx.weight_bytes)
+        if total <= limit:
+            break
+    inverse = sum(1 for b in out if b.rollback == "inverse")
+    decisions.append(f"rollback: {inverse} CPU bucket(s) use the algebraic inverse (host memory "
+                     f"{ctx.hw.host_memory / GB:.0f} GB too small for ping-pong state)")
+    if total > limit:
+        raise PlanError(f"host memory: the plan needs {total / GB:.1f} GB of host memory but {ctx.hw.name} has "
+                        f"{ctx.hw.host_memory / GB:.0f} GB (usable {limit / GB:.0f}); keep more buckets on the GPU "
+                        f"or use a machine with more host memory")
+    return out, total, pinned, parts
+
+
+def _expr_sub(peak, saved, kept, layer):
+    if all(isinstance(x, (int, float)) for x in (peak, saved, kept, layer)):
+        return peak - saved + kept + layer
+    return sympy.expand(sympy.sympify(peak) - saved + kept + layer)
+
+
+def _formula(expr, names: dict[str, str] | None = None) -> str:
+    """A bytes expression as text with readable symbol names, e.g. '2147483648 + 262144*batch*seq'."""
+    if isinstance(expr, (int, float)):
+        return str(int(expr))
+    expr = sympy.expand(expr)
+    if names:
+        expr = expr.xreplace({s: sympy.Symbol(names.get(str(s), str(s))) for s in expr.free_symbols})
+    return str(expr)

@@ -1,5 +1,7 @@
 """Reports: plan tables (text, JSON) and graph dumps."""
 from .dump import graph_to_dot, write_dumps
-from .table import human_bytes, plan_json, plan_table
+from .html import plan_html, timeline_svg
+from .table import human_bytes, human_formula, plan_json, plan_table
 
-__all__ = ["graph_to_dot", "human_bytes", "plan_json", "plan_table", "write_dumps"]
+__all__ = ["graph_to_dot", "human_bytes", "human_formula", "plan_html", "plan_json", "plan_table", "timeline_svg",
+           "write_dumps"]

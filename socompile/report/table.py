@@ -1,9 +1,15 @@
-"""The plan report as a terminal table and as JSON."""
+"""The plan report as a terminal table and as JSON.
+
+One row per layer group (the buckets of ``layers.7`` and so on), identical consecutive layers collapsed into one
+row (``layers.0..27 x28``), then the predictions: memory (with formulas of batch and sequence when the trace was
+symbolic), step time, overlap, and every decision with its reason.
+"""
 from __future__ import annotations
 
 import json
+import re
 
-from ..plan.plan import Plan
+from ..plan.plan import BucketPlan, Plan
 
 
 def human_bytes(n: float) -> str:
@@ -14,32 +20,116 @@ def human_bytes(n: float) -> str:
     return f"{n} B"
 
 
-def _format_params(names: tuple[str, ...], width: int = 44) -> str:
-    text = ", ".join(names)
-    return text if len(text) <= width else f"{names[0]} ... {names[-1]} ({len(names)})"
+def human_formula(text: str) -> str:
+    """'262144*batch*seq + 2147483648' -> '2.1 GB + 262.1 KB*batch*seq' (bytes formulas from the planner)."""
+    terms = []
+    for term in str(text).replace(" - ", " + -").split(" + "):
+        m = re.fullmatch(r"\s*(-?\d+)(?:\*(.+))?\s*", term)
+        if m and (m.group(2) or not re.search(r"[a-z]", term)):
+            coeff = human_bytes(int(m.group(1)))
+            terms.append(f"{coeff}*{m.group(2)}" if m.group(2) else coeff)
+        else:
+            terms.append(term.strip())
+    return " + ".join(terms)
+
+
+def _signature(buckets: list[BucketPlan]) -> tuple:
+    return tuple((b.numel, b.optimizer_site, b.weight_mode, b.prefetch_distance, b.cast_site, b.link_dtype,
+                  b.rollback) for b in buckets)
+
+
+def _groups(plan: Plan) -> list[tuple[str, list[BucketPlan]]]:
+    """Buckets grouped by layer group, in forward order (last gradients first)."""
+    groups: dict[str, list[BucketPlan]] = {}
+    for b in reversed(plan.buckets):
+        groups.setdefault(b.layers or f"bucket {b.index}", []).append(b)
+    return list(groups.items())
+
+
+def _collapse(groups):
+    """Merge consecutive groups 'prefix.N' with identical bucket signatures into 'prefix.A..B xK'."""
+    out = []
+    for name, buckets in groups:
+        m = re.fullmatch(r"(.*\.)(\d+)", name)
+        if out and m:
+            last = out[-1]
+            if last["prefix"] == m.group(1) and last["sig"] == _signature(buckets) \
+                    and int(m.group(2)) == last["end"] + 1:
+                last["end"] = int(m.group(2))
+                last["count"] += 1
+                last["buckets"] += buckets
+                continue
+        out.append({"name": name, "prefix": m.group(1) if m else None, "start": int(m.group(2)) if m else None,
+                    "end": int(m.group(2)) if m else None, "count": 1, "sig": _signature(buckets),
+                    "buckets": list(buckets), "first": buckets})
+    return out
+
+
+def _row(entry) -> tuple[str, ...]:
+    first = entry["first"]
+    if entry["count"] > 1:
+        label = f"{entry['prefix']}{entry['start']}..{entry['end']} x{entry['count']}"
+    else:
+        label = entry["name"]
+    per_layer = sum(b.numel for b in first)
+    sites = "/".join(sorted({b.optimizer_site for b in first}))
+    modes = "/".join(sorted({b.weight_mode for b in first}))
+    dist = max(b.prefetch_distance for b in first)
+    cast = "/".join(sorted({b.cast_site for b in first}))
+    link = "/".join(sorted({f"{b.link_dtype}>{b.param_link_dtype}" for b in first}))
+    rollback = "/".join(sorted({b.rollback for b in first}))
+    ready = min(b.ready_s for b in entry["buckets"])
+    done = max(b.stepped_s for b in entry["buckets"])
+    idx = sorted(b.index for b in entry["buckets"])
+    buckets = f"{idx[0]}" if len(idx) == 1 else f"{idx[0]}-{idx[-1]}"
+    return (label, buckets, f"{per_layer / 1e6:.1f}M", human_bytes(per_layer * 16), sites, modes,
+            str(dist) if dist else "-", cast, link, rollback, f"{ready * 1e3:.1f}", f"{done * 1e3:.1f}")
 
 
 def plan_table(plan: Plan, bw_length: int | None = None) -> str:
-    """One row per bucket: parameters, bytes, where its optimizer runs, when its gradient is ready."""
-    header = ("bucket", "params", "grad bytes", "optimizer", "weights", "grads ready at")
-    rows = []
-    for b in plan.buckets:
-        ready = f"bw node {b.ready_position}" + (f"/{bw_length} ({b.ready_after.split(':', 1)[1]})"
-                                                   if bw_length else f" ({b.ready_after.split(':', 1)[1]})")
-        rows.append((str(b.index), _format_params(b.params), human_bytes(b.grad_bytes), b.optimizer_site,
-                     b.weight_mode, ready))
+    """Per layer group: parameters, model-state bytes, where its optimizer runs, weight mode, prefetch distance,
+    cast site and link dtypes (grads>weights), rollback mode, and when its gradients go / its step ends (ms)."""
+    header = ("layers", "buckets", "params/layer", "state/layer", "optimizer", "weights", "prefetch", "cast",
+              "link g>w", "rollback", "grads ms", "stepped ms")
+    rows = [_row(e) for e in _collapse(_groups(plan))]
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    pred = dict(plan.predicted)
     lines = [f"socompile plan for target {plan.target}: {len(plan.buckets)} bucket(s), "
              f"bucket size {human_bytes(plan.bucket_size)}, "
-             f"{human_bytes(sum(b.grad_bytes for b in plan.buckets))} of fp32 gradients"]
+             f"{human_bytes(sum(b.grad_bytes for b in plan.buckets))} of fp32 gradients"
+             + (f", backward of {bw_length} nodes" if bw_length else "")]
+    if pred.get("shapes"):
+        lines.append("shapes: " + ", ".join(f"{k}={v}" for k, v in pred["shapes"]))
     lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     if plan.unoptimized_params:
         lines.append(f"{len(plan.unoptimized_params)} parameter(s) without a socompile optimizer keep .grad")
-    for key, value in plan.predicted:
-        lines.append(f"{key}: {value}")
+    lines += _summary(plan, pred)
     return "\n".join(lines)
+
+
+def _summary(plan: Plan, pred: dict) -> list[str]:
+    out = []
+    if "device_peak_bytes" in pred:
+        out.append(f"device peak: {human_bytes(pred['device_peak_bytes'])} of {human_bytes(pred['device_budget_bytes'])}"
+                   f"  = {human_formula(pred['device_peak_formula'])}")
+        out.append("  " + ", ".join(f"{k} {human_bytes(v)}" for k, v in pred.get("device_parts", ()) if v))
+        out.append(f"activations: {human_bytes(pred['activations_bytes'])} = {human_formula(pred['activations_formula'])}"
+                   f" (checkpointing: {plan.recompute})")
+        out.append(f"host memory: {human_bytes(pred['host_bytes'])}, pinned {human_bytes(pred['host_pinned_bytes'])}"
+                   f"  (" + ", ".join(f"{k} {human_bytes(v)}" for k, v in pred.get("host_parts", ()) if v) + ")")
+    if "step_time_s" in pred:
+        out.append(f"step: {pred['step_time_s'] * 1e3:.1f} ms (forward {pred['forward_s'] * 1e3:.1f}, backward "
+                   f"{pred['backward_s'] * 1e3:.1f}, exposed optimizer tail {pred['exposed_tail_s'] * 1e3:.1f}); "
+                   f"GPU busy {pred['gpu_utilisation'] * 100:.0f}%, {pred['tflops']:.0f} TFLOP/s, MFU "
+                   f"{pred['mfu'] * 100:.0f}%")
+        out.append(f"ZeRO-Offload on the same work: {pred['zero_offload_step_time_s'] * 1e3:.1f} ms "
+                   f"(SuperOffload plan {pred['speedup_vs_zero_offload']:.2f}x faster)")
+    out += [f"decision: {d}" for d in plan.decisions]
+    if "step_time_s" not in pred:
+        out += [f"{key}: {value}" for key, value in plan.predicted]
+    return out
 
 
 def plan_json(plan: Plan) -> str:

@@ -1,0 +1,195 @@
+"""Facts about one IR under one cost model that every planner decision reads: per-node times, where each
+parameter is used, which layer group it belongs to, and activation memory over the step.
+
+Everything here is computed once per plan in O(nodes + edges); decisions (planner.py) only combine these numbers.
+
+NOTE: activation liveness. A tensor is allocated when its node runs and freed after its last consumer; views
+allocate nothing and keep their base alive; a saved forward tensor reaches the backward as a placeholder of the
+same name and stays alive until its last backward reader. Parameters (and views of them) are not activations;
+gradients of parameters are moved into bucket buffers as they are produced, so they count as freed at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import sympy
+
+from ..capture.ir import IR
+from .cost import CostModel, op_class
+
+_LAYER = re.compile(r"^(.*?\.\d+)\.")
+
+
+def layer_group(param: str) -> str:
+    """'layers.3.attn.wq.weight' -> 'layers.3'; 'tok_emb.weight' -> 'tok_emb' (the repeated-block prefix)."""
+    m = _LAYER.match(param)
+    return m.group(1) if m else param.rsplit(".", 1)[0] if "." in param else param
+
+
+@dataclasses.dataclass
+class GraphCosts:
+    fw_times: list[float]              # seconds per forward node, in execution order
+    bw_times: list[float]
+    fw_flops: float
+    bw_flops: float
+    flops_expr: object                 # fw + bw FLOPs as int or sympy
+    fw_uses: dict[str, tuple[int, int]]   # param -> (first, last) forward position that reads it
+    bw_uses: dict[str, tuple[int, int]]
+    activation_peak: float             # bytes of live activations at the peak (no checkpointing)
+    activation_peak_expr: object       # the same as a formula of the symbols
+    activation_peak_at: str            # node key where the peak occurs
+    saved_bytes: float                 # forward tensors kept for the backward
+    saved_expr: object
+    checkpoint_bytes: float            # layer-boundary tensors kept under per-layer activation checkpointing
+    checkpoint_expr: object
+    max_layer_saved: float             # the largest layer's saved tensors (recomputed one layer at a time)
+    max_layer_saved_expr: object
+    layer_fw_time: float               # forward time of repeated layers (the recompute cost)
+
+    @property
+    def fw_time(self) -> float:
+        return sum(self.fw_times)
+
+    @property
+    def bw_time(self) -> float:
+        return sum(self.bw_times)
+
+
+def _sum(exprs) -> object:
+    ints = 0
+    symbolic = []
+    for e in exprs:
+        if isinstance(e, int):
+            ints += e
+        else:
+            symbolic.append(e)
+    return sympy.Add(ints, *symbolic) if symbolic else ints
+
+
+def analyze(ir: IR, cost: CostModel) -> GraphCosts:
+    g = ir.graph
+    nodes = g.nodes
+    param_nodes = _param_aliases(ir)
+
+    def times(order):
+        out = []
+        for key in order:
+            data = nodes[key]
+            cls = op_class(data["op"], data.get("is_view", False)) if data["kind"] == "call_function" else "free"
+            if cls == "free":
+                out.append(0.0)
+                continue
+            moved = cost.value(data["bytes"]) + sum(cost.value(nodes[p]["bytes"]) for p in g.predecessors(key))
+            flops = cost.value(data["flops"])
+            out.append(float(cost.node_time(cls, flops, moved)))
+        return out
+
+    fw_times, bw_times = times(ir.fw_order), times(ir.bw_order)
+    fw_flops = sum(cost.value(nodes[k]["flops"]) for k in ir.fw_order)
+    bw_flops = sum(cost.value(nodes[k]["flops"]) for k in ir.bw_order)
+    flops_expr = _sum(nodes[k]["flops"] for k in (*ir.fw_order, *ir.bw_order))
+
+    def uses(readers: dict[str, list[str]]) -> dict[str, tuple[int, int]]:
+        out = {}
+        for p, keys in readers.items():
+            orders = [nodes[k]["order"] for k in keys]
+            out[p] = (min(orders), max(orders))
+        return out
+
+    peak, peak_expr, peak_at, saved_roots = _liveness(ir, cost, param_nodes)
+    saved_expr = _sum(nodes[r]["bytes"] for r in saved_roots)
+    ckpt_expr, layer_saved, layer_fw = _checkpoint_estimate(ir, cost, saved_roots, fw_times, param_nodes)
+    layer_max_expr = max(layer_saved.values(), key=cost.value, default=0)
+    return GraphCosts(
+        fw_times=fw_times, bw_times=bw_times, fw_flops=fw_flops, bw_flops=bw_flops, flops_expr=flops_expr,
+        fw_uses=uses(ir.fw_readers), bw_uses=uses(ir.bw_readers), activation_peak=peak,
+        activation_peak_expr=peak_expr, activation_peak_at=peak_at, saved_bytes=cost.value(saved_expr),
+        saved_expr=saved_expr, checkpoint_bytes=cost.value(ckpt_expr), checkpoint_expr=ckpt_expr,
+        max_layer_saved=cost.value(layer_max_expr), max_layer_saved_expr=layer_max_expr, layer_fw_time=layer_fw)
+
+
+def _param_aliases(ir: IR) -> set[str]:
+    """Node keys that are parameters or views of parameters (weights, not activations)."""
+    return {key for key, data in ir.graph.nodes(data=True) if data.get("alias_of")}
+
+
+def _liveness(ir: IR, cost: CostModel, weights: set[str]):
+    g = ir.graph
+    sequence = [*ir.fw_order, *ir.bw_order]
+    position = {k: i for i, k in enumerate(sequence)}
+    grads = set(ir.grad_node.values())
+    root: dict[str, str] = {}
+    for key in sequence:
+        data = g.nodes[key]
+        preds = [p for p in g.predecessors(key)]
+        if key.startswith("bw:") and data["kind"] == "placeholder" and f"fw:{key[3:]}" in position:
+            root[key] = root.get(f"fw:{key[3:]}", f"fw:{key[3:]}")
+        elif data.get("is_view") and preds:
+            root[key] = root.get(preds[0], preds[0])
+        else:
+            root[key] = key
+    last: dict[str, int] = {}
+    for key in sequence:
+        r = root[key]
+        last[r] = max(last.get(r, position[r]), position[key])
+        for s in g.successors(key):
+            if g.nodes[s]["kind"] != "output":
+                last[r] = max(last[r], position[s])
+    frees: dict[int, list[str]] = {}
+    for r, end in last.items():
+        if r in weights or g.nodes[r]["kind"] == "output":
+            continue
+        frees.setdefault(position[r] if r in grads else end, []).append(r)
+    live = peak = 0.0
+    peak_pos = 0
+    for i, key in enumerate(sequence):
+        if root[key] == key and key not in weights and g.nodes[key]["kind"] != "output":
+            live += cost.value(g.nodes[key]["bytes"])
+        if live > peak:
+            peak, peak_pos = live, i
+        for r in frees.get(i, ()):
+            live -= cost.value(g.nodes[r]["bytes"])
+    at_peak = [r for r, end in last.items() if r not in weights and g.nodes[r]["kind"] != "output"
+               and position[r] <= peak_pos and (position[r] if r in grads else end) >= peak_pos]
+    expr = _sum(g.nodes[r]["bytes"] for r in sorted(at_peak, key=position.__getitem__))
+    boundary = len(ir.fw_order)
+    saved = sorted((r for r, end in last.items() if r.startswith("fw:") and end >= boundary and r not in weights
+                    and g.nodes[r]["kind"] != "output"), key=position.__getitem__)
+    return peak, expr, sequence[peak_pos], saved
+
+
+def _checkpoint_estimate(ir: IR, cost: CostModel, saved_roots: list[str], fw_times: list[float],
+                         weights: set[str]):
+    """Per-layer activation checkpointing, estimated: each repeated layer keeps only its input (the first
+    non-weight input of its first weight-reading node); one layer's saved tensors are live while it is
+    recomputed. Returns (kept bytes expr, saved bytes expr per layer, forward seconds of repeated layers)."""
+    g = ir.graph
+    group_of_pos: list[str | None] = []
+    current = None
+    boundary: dict[str, object] = {}
+    layer_time: dict[str, float] = {}
+    for i, key in enumerate(ir.fw_order):
+        reads = g.nodes[key]["reads_params"]
+        if reads:
+            group = layer_group(reads[0])
+            if group != current and group not in boundary and re.search(r"\.\d+$", group):
+                inputs = [p for p in g.predecessors(key) if p not in weights]
+                boundary[group] = g.nodes[inputs[0]]["bytes"] if inputs else 0
+            current = group
+        group_of_pos.append(current)
+        if current is not None and current in boundary:
+            layer_time[current] = layer_time.get(current, 0.0) + fw_times[i]
+    per_layer: dict[str, list] = {}
+    position = {k: i for i, k in enumerate(ir.fw_order)}
+    for r in saved_roots:
+        group = group_of_pos[position[r]]
+        if group in boundary:
+            per_layer.setdefault(group, []).append(g.nodes[r]["bytes"])
+    saved_per_layer = {k: _sum(v) for k, v in per_layer.items()}
+    in_layers = _sum(saved_per_layer.values())
+    not_in_layers = _sum(g.nodes[r]["bytes"] for r in saved_roots
+                         if group_of_pos[position[r]] not in boundary)
+    kept = _sum([not_in_layers, *boundary.values()])
+    del in_layers
+    return kept, saved_per_layer, sum(layer_time.values())

@@ -1,0 +1,127 @@
+"""Command-line logic of ``python -m socompile plan | calibrate | simulate`` (socompile/cli.py dispatches here).
+
+    python -m socompile plan --model llama-25b --seq 4096 --batch 4 --target gh200 [--json P] [--html P]
+    python -m socompile calibrate [--quick] [--out this-machine.json]
+    python -m socompile simulate --model llama-13b --seq 4096 --batch 4 --target gh200 [--html P]
+
+Each ``cmd_*`` takes argv (without the sub-command name) and returns an exit status.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import resource
+import sys
+import time
+
+
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="llama-7b",
+                        help="preset name (tiny, small, llama-1b, llama-7b, llama-13b, llama-25b) or pkg.module:fn")
+    parser.add_argument("--seq", type=int, default=4096, help="sequence length (tokens)")
+    parser.add_argument("--batch", type=int, default=4, help="micro-batch size")
+    parser.add_argument("--target", default="gh200",
+                        help="hardware profile: gh200, gh200-144g, h100-pcie, a100-pcie, this-machine, or a file")
+    parser.add_argument("--bucket-size", default=None, help="fp32 gradient bytes per bucket, e.g. 64MB")
+    parser.add_argument("--gpu-buckets", type=int, default=None, help="pin the number of GPU-resident buckets")
+    parser.add_argument("--budget", default=None, help="device memory budget, e.g. 80GB (default: the profile's)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="training dtype of weights and activations on the target (default bfloat16)")
+    parser.add_argument("--formulas", action="store_true",
+                        help="trace batch and seq symbolically so memory is reported as formulas (slower trace)")
+
+
+def _plan(args):
+    import torch
+
+    from ..offline import plan_model
+    options = {"target": args.target}
+    if args.bucket_size:
+        options["bucket_size"] = args.bucket_size
+    if args.gpu_buckets is not None:
+        options["gpu_buckets"] = args.gpu_buckets
+    if args.budget:
+        options["device_memory_budget"] = args.budget
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
+    return plan_model(args.model, batch=args.batch, seq=args.seq, options=options, dtype=dtype,
+                      symbolic=args.formulas, run_passes=False)
+
+
+def _details(ctx):
+    from ..plan.hardware import get_profile
+    from ..plan.planner import plan_with_details
+    return plan_with_details(ctx.ir, get_profile(ctx.options.target), ctx.options)
+
+
+def cmd_plan(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="socompile plan",
+                                     description="Plan a model for a target without running a step (FakeTensorMode).")
+    _model_args(parser)
+    parser.add_argument("--json", dest="json_path", default=None, help="write the plan as JSON here")
+    parser.add_argument("--html", dest="html_path", default=None, help="write the HTML report with a timeline here")
+    args = parser.parse_args(argv)
+    from ..plan.planner import PlanError
+    from ..report import plan_html, plan_json, plan_table
+    start = time.perf_counter()
+    try:
+        ctx = _plan(args)
+    except PlanError as err:
+        print(f"socompile plan: {err}", file=sys.stderr)
+        return 2
+    print(plan_table(ctx.plan, bw_length=len(ctx.ir.bw_order)))
+    if args.json_path:
+        pathlib.Path(args.json_path).write_text(plan_json(ctx.plan) + "\n")
+    if args.html_path:
+        from ..plan.simulate import simulate
+        details = _details(ctx)
+        sims = [details.simulation, details.zero_offload,
+                simulate(details.plan, details.costs, details.cost, "zero-infinity")]
+        pathlib.Path(args.html_path).write_text(plan_html(details.plan, sims, title=f"socompile plan: {args.model} "
+                                                          f"seq {args.seq} batch {args.batch} on {args.target}"))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"planned in {time.perf_counter() - start:.1f} s, peak RSS {rss:.0f} MB")
+    return 0
+
+
+def cmd_simulate(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="socompile simulate",
+                                     description="Replay the plan, ZeRO-Offload and ZeRO-Infinity schedules.")
+    _model_args(parser)
+    parser.add_argument("--html", dest="html_path", default=None, help="write the timelines as HTML here")
+    args = parser.parse_args(argv)
+    from ..plan.planner import PlanError
+    from ..plan.simulate import simulate
+    from ..report import plan_html
+    try:
+        details = _details(_plan(args))
+    except PlanError as err:
+        print(f"socompile simulate: {err}", file=sys.stderr)
+        return 2
+    sims = [details.simulation, details.zero_offload,
+            simulate(details.plan, details.costs, details.cost, "zero-infinity")]
+    keys = ("step_time_s", "forward_s", "backward_s", "exposed_tail_s", "gpu_utilisation", "tflops", "mfu")
+    print(f"{'schedule':<14}" + "".join(f"{k:>16}" for k in keys) + f"{'vs plan':>10}")
+    for sim in sims:
+        s = sim.summary()
+        print(f"{sim.schedule:<14}" + "".join(f"{s[k]:>16}" for k in keys)
+              + f"{sim.step_time / sims[0].step_time:>9.2f}x")
+    if args.html_path:
+        pathlib.Path(args.html_path).write_text(plan_html(details.plan, sims, title=f"socompile simulate: {args.model}"))
+    return 0
+
+
+def cmd_calibrate(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="socompile calibrate",
+                                     description="Measure this machine and write a hardware profile.")
+    parser.add_argument("--quick", action="store_true", help="smaller buffers: seconds, noisier")
+    parser.add_argument("--out", default=None, help="profile file to write (default: the this-machine cache)")
+    parser.add_argument("--name", default="this-machine")
+    args = parser.parse_args(argv)
+    from .calibrate import calibrate
+    from .hardware import profile_cache_path, save_profile
+    profile = calibrate(quick=args.quick, name=args.name)
+    path = save_profile(profile, args.out or profile_cache_path())
+    for key, value in profile.to_dict().items():
+        print(f"{key:>20}: {value}")
+    print(f"wrote {path}")
+    return 0

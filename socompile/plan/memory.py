@@ -1,0 +1,76 @@
+"""Memory accounting of a candidate plan: peak device memory, pinned host memory and total host memory.
+
+Device (per step, at the activation peak):
+    activations                         (graph liveness, or the checkpointing estimate; analysis.py)
+  + weights of stationary buckets       (numel * weight bytes; plus parameters without a socompile optimizer)
+  + GPU-resident optimizer state        (fp32 master + m + v = 12 B/param, + the gradient kept to validation)
+  + gradient staging for CPU buckets    (2 buckets: one being filled, one on the link)
+  + weight-flow buffers                 ((max prefetch distance + 1) * largest flow bucket, bf16)
+  + upload staging for device casts     (2 * largest stationary CPU bucket, fp32)
+Host:
+  per CPU bucket: master + m + v (12 B/param), ping-pong copies for exact rollback (+12), the gradient landing
+  buffer (link dtype), and a bf16 weight copy when the CPU casts or the weights flow. Pinned: whatever crosses
+  the link (gradient buffers, bf16 copies, and the fp32 master when the device casts).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import sympy
+
+from .plan import BucketPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    device_peak: float
+    device_expr: object          # int or sympy: a formula of the symbolic shapes
+    device_parts: tuple[tuple[str, float], ...]
+    host_total: int
+    host_pinned: int
+    host_parts: tuple[tuple[str, int], ...]
+
+
+def _bytes(dtype: str) -> int:
+    return 2 if dtype in ("bfloat16", "float16") else 4
+
+
+def device_memory(buckets: list[BucketPlan], weight_bytes: int, activations: float, activations_expr,
+                  unoptimized_numel: int, adaptive_flow: set[int] | None = None) -> MemoryEstimate:
+    stationary = sum(b.numel for b in buckets if b.weight_mode == "stationary") + unoptimized_numel
+    gpu_state = sum(b.numel for b in buckets if b.optimizer_site == "device")
+    cpu = [b for b in buckets if b.optimizer_site == "cpu"]
+    flow = [b for b in buckets if b.weight_mode == "flow"]
+    staging = 2 * max((b.numel * max(weight_bytes, _bytes(b.link_dtype)) for b in cpu), default=0)
+    flow_buffers = (max((b.prefetch_distance for b in flow), default=0) + 1) * max((b.numel for b in flow),
+                                                                                     default=0) * 2 if flow else 0
+    upload = 2 * max((b.numel * 4 for b in cpu if b.weight_mode == "stationary" and b.cast_site == "device"
+                      and weight_bytes == 2), default=0)
+    parts = (("activations", activations), ("stationary weights", stationary * weight_bytes),
+             ("GPU optimizer state", gpu_state * (12 + weight_bytes)), ("gradient staging", staging),
+             ("weight-flow buffers", flow_buffers), ("upload staging", upload))
+    fixed = int(sum(v for k, v in parts if k != "activations"))
+    expr = sympy.Add(activations_expr, fixed) if not isinstance(activations_expr, (int, float)) \
+        else activations_expr + fixed
+    return MemoryEstimate(device_peak=sum(v for _, v in parts), device_expr=expr, device_parts=parts,
+                          host_total=0, host_pinned=0, host_parts=())
+
+
+def host_memory(buckets: list[BucketPlan], weight_bytes: int) -> tuple[int, int, tuple[tuple[str, int], ...]]:
+    """(total, pinned, parts) bytes of host memory."""
+    state = pingpong = landing = copies = master_pinned = 0
+    for b in buckets:
+        if b.optimizer_site != "cpu":
+            continue
+        state += 12 * b.numel
+        if b.rollback == "exact":
+            pingpong += 12 * b.numel
+        landing += b.numel * _bytes(b.link_dtype)
+        if weight_bytes == 2 and (b.cast_site == "cpu" or b.weight_mode == "flow"):
+            copies += 2 * b.numel
+        elif b.weight_mode == "stationary":
+            master_pinned += 4 * b.numel
+    parts = (("fp32 master + Adam moments", state), ("ping-pong copies (exact rollback)", pingpong),
+             ("gradient landing buffers", landing), ("bf16 weight copies", copies))
+    pinned = landing + copies + master_pinned
+    return sum(v for _, v in parts), pinned, parts
