@@ -132,7 +132,11 @@ def _apply_plan(ctx: CompileContext, bw: fx.GraphModule) -> fx.GraphModule:
     ctx.backward_graph = bw
     if ctx.optimizer is not None and ctx.plan.buckets:
         by_name = {name: ctx.param_objects[i] for i, name in ctx.param_names.items()}
-        claim = ctx.optimizer.claim([[by_name[n] for n in b.params] for b in ctx.plan.buckets])
+        # On a CPU-only machine the "device" is the CPU: device-site buckets use the same kernel, but (as on a
+        # GPU) only after validation, in opt.step(); CPU-site buckets are stepped as their gradients arrive.
+        claim = ctx.optimizer.claim([[by_name[n] for n in b.params] for b in ctx.plan.buckets],
+                                    early_step=[b.optimizer_site == "cpu" and ctx.options.speculate
+                                                for b in ctx.plan.buckets])
         ctx.claim_handle = claim.handle
         bw = passes.run_passes(bw, "bw", ctx.plan, ctx)
     if ctx.options.dump_dir:

@@ -20,7 +20,9 @@ def run_demo(preset: str = "tiny", steps: int = 300, batch: int = 8, seq: int = 
     model = build(preset)
     n_params = sum(p.numel() for p in model.parameters())
     opt = socompile.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    backend = socompile.SuperOffload(compute=compute, bucket_size="1MB")
+    # The tiny model would fit on any device; pin one device-resident bucket so the demo shows both kinds:
+    # CPU buckets stepped during backward, and a device bucket stepped after validation.
+    backend = socompile.SuperOffload(compute=compute, bucket_size="1MB", gpu_buckets=1)
     cmodel = torch.compile(model, backend=backend)
     data = ByteBatches(stdlib_corpus(), batch=batch, seq=seq, seed=seed)
     print(f"socompile demo: {preset} Llama, {n_params / 1e6:.2f}M parameters, batch {batch} x {seq} bytes of "

@@ -72,6 +72,11 @@ class Options:
         if self.compute not in ("inductor", "eager"):
             raise OptionError(f"compute must be 'inductor' or 'eager', got {self.compute!r}")
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
+        if self.disable_passes:
+            from .passes import known_pass_names
+            unknown = sorted(set(self.disable_passes) - set(known_pass_names()))
+            if unknown:
+                raise OptionError(f"disable_passes names unknown passes {unknown}; known: {known_pass_names()}")
 
     @classmethod
     def resolve(cls, options: Mapping[str, Any] | "Options" | None = None,

@@ -39,7 +39,8 @@ def run_pair(make_model: Callable[[], torch.nn.Module], steps: int = 10, options
     opt = socompile.AdamW(groups(ours), max_grad_norm=clip, grad_accumulation_steps=accumulate, **opt_kwargs,
                           **(socompile_kwargs or {}))
     ref_opt = torch.optim.AdamW(groups(ref), **opt_kwargs)
-    backend = socompile.SuperOffload({"compute": "eager", **(options or {})})
+    # gpu_buckets=0 by default: small test models would otherwise be planned entirely onto the device.
+    backend = socompile.SuperOffload({"compute": "eager", "gpu_buckets": 0, **(options or {})})
     cmodel = torch.compile(ours, backend=backend)
     data = data if data is not None else batches(steps * accumulate)
     for step in range(steps):

@@ -29,16 +29,17 @@ from ..runtime.worker import CPUWorker
 class GraphClaim:
     """The buckets one compiled backward graph feeds, addressed by a handle from inside the graph."""
 
-    def __init__(self, optimizer: "AdamW", buckets: list[FlatBucket]):
+    def __init__(self, optimizer: "AdamW", buckets: list[FlatBucket], early_step: list[bool]):
         self._optimizer = weakref.ref(optimizer)
         self.buckets = buckets
+        self.early_step = early_step   # per bucket: may its step start as soon as its gradients arrive?
         self.handle = handles.register(self)
 
     def on_grads(self, bucket: int, segments: list[int], grads: list[torch.Tensor]) -> None:
         opt = self._optimizer()
         if opt is None:
             raise RuntimeError("the socompile optimizer of this compiled model was deleted")
-        opt._on_grads(self.buckets[bucket], segments, grads)
+        opt._on_grads(self.buckets[bucket], segments, grads, may_speculate=self.early_step[bucket])
 
 
 class AdamW(torch.optim.Optimizer):
@@ -112,9 +113,11 @@ class AdamW(torch.optim.Optimizer):
                     self.state[p]["exp_avg_sq"] = bucket.view(bucket.exp_avg_sq, i)
         return made
 
-    def claim(self, param_lists: list[list[nn.Parameter]]) -> GraphClaim:
+    def claim(self, param_lists: list[list[nn.Parameter]], early_step: list[bool] | None = None) -> GraphClaim:
         """Lay out the buckets a compiled backward graph feeds (called by the backend at compile time).
-        A recompile of the same graph (same parameters) gets its existing claim back."""
+        ``early_step[i]``: bucket i may be stepped by the CPU worker as its gradients arrive; otherwise (a
+        device-resident bucket, or speculation turned off) it is stepped in ``step()`` after validation. A recompile of the same graph (same
+        parameters) gets its existing claim back."""
         self._wait_pending()
         key = frozenset(id(p) for params in param_lists for p in params)
         if key in self._claims:
@@ -128,25 +131,28 @@ class AdamW(torch.optim.Optimizer):
         for p in (p for params in param_lists for p in params):
             if id(p) not in self._group_index:
                 raise ValueError("the compiled graph's parameter is not in this optimizer")
-        claim = GraphClaim(self, self._make_buckets(param_lists, indices=list(range(len(param_lists)))))
+        claim = GraphClaim(self, self._make_buckets(param_lists, indices=list(range(len(param_lists)))),
+                           early_step=list(early_step) if early_step is not None else [True] * len(param_lists))
         self._claims[key] = claim
         self._rebuild_pool()
         return claim
 
     # ------------------------------------------------------------- backward
-    def _on_grads(self, bucket: FlatBucket, segments: list[int], grads: list[torch.Tensor]) -> None:
+    def _on_grads(self, bucket: FlatBucket, segments: list[int], grads: list[torch.Tensor],
+                  may_speculate: bool = True) -> None:
         """Called from inside the compiled backward when all of ``bucket``'s gradients exist."""
-        if bucket.stepped:
-            raise RuntimeError("backward ran again before opt.step(): its bucket was already stepped. Call "
-                               "opt.step() after each backward, or set grad_accumulation_steps=N on the "
-                               "socompile optimizer to accumulate N backward passes per step.")
+        if bucket.arrivals >= self.grad_accumulation_steps:
+            raise RuntimeError(f"backward ran {bucket.arrivals + 1} times before opt.step(), but the socompile "
+                               f"optimizer expects {self.grad_accumulation_steps}. Call opt.step() after each "
+                               "backward, or set grad_accumulation_steps=N on socompile.AdamW to accumulate N "
+                               "backward passes per step.")
         self.events.record("grads_ready", bucket.index)
         for i, grad in zip(segments, grads):
             p = bucket.params[i]
             bucket.receive(i, grad, accumulate=p.grad is not None)
             p.grad = bucket.view(bucket.grad, i)
         bucket.arrivals += 1
-        if self._may_speculate() and bucket.arrivals >= self.grad_accumulation_steps:
+        if may_speculate and self._may_speculate() and bucket.arrivals >= self.grad_accumulation_steps:
             bucket.pending = self._get_worker().submit(lambda: self._step_logged(bucket, 1.0))
 
     def _may_speculate(self) -> bool:

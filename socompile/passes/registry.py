@@ -37,10 +37,7 @@ def known_pass_names() -> list[str]:
 
 
 def run_passes(gm: fx.GraphModule, phase: str, plan, ctx) -> fx.GraphModule:
-    disabled = set(ctx.options.disable_passes)
-    unknown = disabled - set(known_pass_names())
-    if unknown:
-        raise ValueError(f"disable_passes names unknown passes {sorted(unknown)}; known: {known_pass_names()}")
+    disabled = set(ctx.options.disable_passes)  # names checked when the Options were made
     for registered in PASSES:
         if registered.phase != phase or registered.name in disabled:
             continue
