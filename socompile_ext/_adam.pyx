@@ -31,6 +31,7 @@ cdef extern from "adam.h" nogil:
     void socx_copy_ceiling(const socx_buffers *b)
     void socx_set_num_threads(int n)
     int socx_get_num_threads()
+    int socx_isa_compiled(int isa)
     int socx_isa_available(int isa)
     int socx_current_isa()
     int socx_force_isa(int isa)
@@ -139,8 +140,9 @@ def get_num_threads():
 
 
 def isa_names():
-    """All paths this build knows, lowest first, and whether each is usable here."""
-    return [(socx_isa_name(i).decode(), bool(socx_isa_available(i))) for i in range(SOCX_ISA_COUNT)]
+    """The paths compiled into this build, lowest first, and whether each is usable on this CPU."""
+    return [(socx_isa_name(i).decode(), bool(socx_isa_available(i))) for i in range(SOCX_ISA_COUNT)
+            if socx_isa_compiled(i)]
 
 
 def current_isa():

@@ -255,6 +255,14 @@ def test_isa_and_build_info_are_reported():
         assert se.isa() == "avx512"
 
 
+def test_doctor_reports_the_kernel():
+    from socompile import doctor
+
+    text = doctor.report()
+    assert f"CPU Adam kernel ISA: {se.isa()}" in text
+    assert "OpenMP threads" in text and "-fno-math-errno" in text and "NUMA nodes" in text and "ulimit -l" in text
+
+
 def test_socompile_isa_env_forces_a_lower_path_without_importing_torch():
     code = "import sys, socompile_ext as s; print(s.isa(), 'torch' in sys.modules)"
     env = {**os.environ, "SOCOMPILE_ISA": "scalar"}

@@ -75,7 +75,8 @@ int socx_get_num_threads(void);
 
 /* ISA selection: the best available path is chosen at first use; socx_force_isa picks another usable
  * one (returns -1 if that path is not usable on this CPU or not compiled in). */
-int socx_isa_available(int isa);
+int socx_isa_compiled(int isa);   /* built into this binary (x86 paths on x86, Arm paths on aarch64) */
+int socx_isa_available(int isa);  /* compiled and usable on this CPU */
 int socx_current_isa(void);
 int socx_force_isa(int isa);
 const char *socx_isa_name(int isa);

@@ -59,6 +59,8 @@ const char *socx_isa_name(int isa) {
     return (isa >= 0 && isa < SOCX_ISA_COUNT) ? k_names[isa] : "unknown";
 }
 
+int socx_isa_compiled(int isa) { return isa >= 0 && isa < SOCX_ISA_COUNT && k_tables[isa].step != NULL; }
+
 int socx_isa_available(int isa) {
     if (isa < 0 || isa >= SOCX_ISA_COUNT || k_tables[isa].step == NULL) return 0;
     switch (isa) {
