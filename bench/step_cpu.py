@@ -1,0 +1,83 @@
+"""Training-step time on the CPU, side by side in one run: eager + torch AdamW(fused), torch.compile (Inductor)
++ torch AdamW(fused), and superoffload (Inductor underneath, socompile.AdamW stepped per bucket in backward).
+
+    python bench/step_cpu.py [--preset tiny] [--steps 40] [--rounds 3]
+
+Rounds interleave the configurations so slow drifts of a noisy machine hit all of them alike. Prints the
+median and spread (min-max over all timed steps) of seconds per step, and ratios against Inductor + fused.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import socompile
+from socompile.data import ByteBatches, stdlib_corpus
+from socompile.models import build
+
+
+def make_config(name: str, preset: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = build(preset)
+    hyper = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    if name == "eager + AdamW(fused)":
+        return model, torch.optim.AdamW(model.parameters(), fused=True, **hyper)
+    if name == "inductor + AdamW(fused)":
+        return torch.compile(model), torch.optim.AdamW(model.parameters(), fused=True, **hyper)
+    gpu_buckets = 0 if "all CPU buckets" in name else None
+    opt = socompile.AdamW(model.parameters(), **hyper)
+    backend = socompile.SuperOffload(bucket_size="1MB", gpu_buckets=gpu_buckets)
+    return torch.compile(model, backend=backend), opt
+
+
+CONFIGS = ["eager + AdamW(fused)", "inductor + AdamW(fused)", "superoffload (all CPU buckets)",
+           "superoffload (planned)"]
+
+
+def step(model, opt, x, y) -> None:
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per configuration per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=5)
+    args = parser.parse_args()
+    data = ByteBatches(stdlib_corpus(), args.batch, args.seq, seed=0)
+    batches = [next(data) for _ in range(args.warmup + args.steps)]
+    setups = {name: make_config(name, args.preset) for name in CONFIGS}
+    times: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    for name, (model, opt) in setups.items():  # compile and warm up
+        for x, y in batches[:args.warmup]:
+            step(model, opt, x, y)
+    for _ in range(args.rounds):
+        for name, (model, opt) in setups.items():
+            for x, y in batches[args.warmup:]:
+                start = time.perf_counter()
+                step(model, opt, x, y)
+                times[name].append(time.perf_counter() - start)
+    anchor = statistics.median(times["inductor + AdamW(fused)"])
+    print(f"preset {args.preset}, batch {args.batch} x seq {args.seq}, {torch.get_num_threads()} threads, "
+          f"{args.rounds} rounds x {args.steps} steps")
+    print(f"{'configuration':34s} {'median ms':>10s} {'min ms':>8s} {'max ms':>8s} {'vs inductor+fused':>18s}")
+    for name in CONFIGS:
+        t = times[name]
+        med = statistics.median(t)
+        print(f"{name:34s} {med * 1e3:10.2f} {min(t) * 1e3:8.2f} {max(t) * 1e3:8.2f} {anchor / med:17.2f}x")
+    so = statistics.median(times["superoffload (all CPU buckets)"])
+    print(f"goal: superoffload no slower than inductor + fused AdamW -> ratio {anchor / so:.2f}x "
+          f"({'met' if so <= anchor * 1.02 else 'NOT met'}; within 2% counts as equal on this noisy machine)")
+
+
+if __name__ == "__main__":
+    main()
