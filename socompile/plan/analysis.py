@@ -93,8 +93,12 @@ def analyze(ir: IR, cost: CostModel) -> GraphCosts:
     def uses(readers: dict[str, list[str]]) -> dict[str, tuple[int, int]]:
         out = {}
         for p, keys in readers.items():
-            orders = [nodes[k]["order"] for k in keys]
-            out[p] = (min(orders), max(orders))
+            # The output node "reads" saved views of weights only to hand them to the backward, where their
+            # readers are counted: it is not a use.
+            # Views of weights (aten.t saved for the backward) move no data and are re-materialised where used.
+            orders = [nodes[k]["order"] for k in keys if nodes[k]["kind"] != "output" and not nodes[k]["is_view"]]
+            if orders:
+                out[p] = (min(orders), max(orders))
         return out
 
     peak, peak_expr, peak_at, saved_roots = _liveness(ir, cost, param_nodes)

@@ -15,6 +15,7 @@ Decisions, in this order (each reads the cost model; docs/planner.md explains th
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 
@@ -153,6 +154,8 @@ def plan_with_details(ir: IR, hw: HardwareProfile, options: Options,
                                    stepped_s=round(times.get(b.index, (0.0, sim.step_time))[1], 6))
                for b in buckets]
     final = _plan_of(ctx, buckets, recompute, predicted, tuple(decisions), unoptimized)
+    from .verify import verify
+    verify(final, ir, hw)   # a failure here is a planner bug: never hand an unsafe plan to the passes
     return PlanDetails(final, cost, costs, sim, zero)
 
 
@@ -220,11 +223,32 @@ def _transfer_order(ctx: _Context, cpu_buckets) -> list[int]:
     ratios = []
     fw_times = ctx.costs.fw_times
     ir = ctx.ir
+    compact = _compact_buckets(ctx, cpu_buckets)
     for b in cpu_buckets:
+        if b.index not in compact:
+            continue
         reads = {ir.graph.nodes[k]["order"] for p in b.params for k in ir.fw_readers.get(p, ())}
         compute = sum(fw_times[i] for i in reads)
         ratios.append((-(compute / ctx.cost.transfer_time(b.numel * 2, "h2d")), b.index))
     return [i for _, i in sorted(ratios)]
+
+
+def _compact_buckets(ctx: _Context, buckets) -> set[int]:
+    """Buckets whose uses (forward and backward) contain no other bucket's first use: only these can stream
+    through a ring of buffers (a tied embedding read at both ends of the forward would pin its buffer)."""
+    ok = {b.index for b in buckets}
+    for uses in (ctx.costs.fw_uses, ctx.costs.bw_uses):
+        spans = []
+        for b in buckets:
+            found = [uses[p] for p in b.params if p in uses]
+            if found:
+                spans.append((min(f[0] for f in found), max(f[1] for f in found), b.index))
+        firsts = sorted(s[0] for s in spans)
+        for first, last, idx in spans:
+            inside = bisect.bisect_right(firsts, last) - bisect.bisect_right(firsts, first)
+            if inside:
+                ok.discard(idx)
+    return ok
 
 
 def _prefetch_distances(ctx: _Context, buckets, flow: set[int]) -> dict[int, int]:

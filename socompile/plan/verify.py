@@ -125,7 +125,8 @@ def _flow_lifetimes(plan: Plan, ir: IR) -> list[str]:
             if b.prefetch_distance < 1:
                 out.append(f"bucket {b.index} flows but has prefetch distance {b.prefetch_distance}: its weights "
                            f"would not be present at first use")
-            uses = [order[k] for p in b.params for k in readers.get(p, ())]
+            uses = [order[k] for p in b.params for k in readers.get(p, ())
+                    if ir.graph.nodes[k]["kind"] != "output" and not ir.graph.nodes[k].get("is_view")]
             if uses:
                 spans.append((min(uses), max(uses), b.index, max(1, b.prefetch_distance)))
         spans.sort()

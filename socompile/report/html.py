@@ -54,7 +54,7 @@ def timeline_svg(sim, width: int = 1100, lane_height: int = 26, title: str = "")
         t = span * k / 10
         x = left + t * scale
         out.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{axis_y - 8}" stroke="#ccc"/>')
-        out.append(f'<text x="{x:.1f}" y="{axis_y + 6}" text-anchor="middle">{t * 1e3:.0f} ms</text>')
+        out.append(f'<text x="{x:.1f}" y="{axis_y + 6}" text-anchor="middle">{t * 1e3:.3g} ms</text>')
     for j, (kind, color) in enumerate(COLORS.items()):
         out.append(f'<rect x="{left + j * 110}" y="{axis_y + 14}" width="12" height="12" fill="{color}"/>'
                    f'<text x="{left + j * 110 + 16}" y="{axis_y + 24}">{kind}</text>')

@@ -1,0 +1,74 @@
+"""The SuperOffload paper's GH200 claims against our planner + simulator, on our own profiles.
+
+    python bench/paper.py
+Prints: claim, paper, ours, ratio. Each row traces a model under FakeTensorMode (no weights in memory).
+"""
+from __future__ import annotations
+
+import torch
+
+from socompile.offline import plan_model
+from socompile.options import Options
+from socompile.plan.hardware import get_profile
+from socompile.plan.planner import PlanError, plan_with_details
+
+
+def details(model: str, seq: int, batch: int, target: str = "gh200", **opts):
+    ctx = plan_model(model, batch=batch, seq=seq, options={"target": target}, dtype=torch.bfloat16,
+                     run_passes=False)
+    return ctx, plan_with_details(ctx.ir, get_profile(target), Options(target=target, **opts))
+
+
+def main() -> None:
+    rows = []
+    # 1. Up to 2.5x throughput over ZeRO-Offload (paper, GH200). Throughput runs used seq 1024 (artifact configs).
+    best = (0.0, "")
+    for model in ("llama-7b", "llama-13b"):
+        _, d = details(model, 1024, 8)
+        speedup = d.zero_offload.step_time / d.simulation.step_time
+        best = max(best, (speedup, model))
+    rows.append(("speedup over ZeRO-Offload (max of 7B/13B, seq 1024 b8)", 2.5, best[0], f"{best[1]}"))
+    # 2. 25B parameters trainable on one GH200 (30 layers x hidden 8192).
+    try:
+        ctx, d = details("llama-25b", 1024, 4)
+        params = sum(b.numel for b in d.plan.buckets) / 1e9
+        note = f"fits: peak {d.plan.prediction('device_peak_bytes') / 1e9:.0f} GB, recompute={d.plan.recompute}"
+    except PlanError as err:
+        params, note = 0.0, f"does not fit: {err}"[:80]
+    rows.append(("largest model trained on one GH200 (B params)", 25.0, params, note))
+    # 3. ~600 TFLOP/s on a Qwen3-14B-class model at seq 4096, batch 4 (blog). Our 13B preset is the closest.
+    _, d = details("llama-13b", 4096, 4)
+    hardware_flops = d.simulation.model_flops * (1 + (d.costs.layer_fw_time / d.costs.bw_time
+                                                      if d.plan.recompute != "none" else 0))
+    rows.append(("TFLOP/s, 13B seq 4096 b4 (model FLOPs)", 600.0, d.simulation.tflops,
+                 f"MFU {d.simulation.mfu * 100:.0f}%, recompute={d.plan.recompute}"))
+    rows.append(("TFLOP/s, 13B seq 4096 b4 (incl. recompute)", 600.0,
+                 hardware_flops / d.simulation.step_time / 1e12, "counts re-run forward like a profiler would"))
+    # 4. 13B at 1M tokens on 8 GH200 at 55% MFU needs ZeRO-DP + Ulysses sequence parallelism: not modelled.
+    rows.append(("MFU, 13B at 1M tokens on 8 GH200", 55.0, None, "not modelled yet (needs DP/SP, another issue)"))
+    # Goal beyond the paper: automatic GPU-bucket count vs the best hand-set ratio (DeepSpeed's `ratio`).
+    ctx, d = details("llama-7b", 4096, 4)
+    n = len(d.plan.buckets)
+    hand = []
+    for ratio in (1.0, 0.95, 0.9, 0.8, 0.7, 0.5):
+        k = int((1 - ratio) * n)
+        try:
+            hand.append((plan_with_details(ctx.ir, get_profile("gh200"), Options(gpu_buckets=k)).simulation.step_time,
+                         ratio, k))
+        except PlanError:
+            pass
+    best_hand = min(hand)
+    rows.append(("auto GPU buckets vs best hand-set ratio (7B s4096 b4; time ratio)", 1.0,
+                 best_hand[0] / d.simulation.step_time,
+                 f"auto K={d.plan.prediction('gpu_buckets')} {d.simulation.step_time:.3f} s; best ratio "
+                 f"{best_hand[1]} (K={best_hand[2]}) {best_hand[0]:.3f} s"))
+    print(f"{'claim':<66}{'paper':>8}{'ours':>9}{'ratio':>7}  note")
+    for claim, paper, ours, note in rows:
+        if ours is None:
+            print(f"{claim:<66}{paper:>8.1f}{'-':>9}{'-':>7}  {note}")
+        else:
+            print(f"{claim:<66}{paper:>8.1f}{ours:>9.2f}{ours / paper:>7.2f}  {note}")
+
+
+if __name__ == "__main__":
+    main()

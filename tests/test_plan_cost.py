@@ -1,0 +1,40 @@
+import sympy
+import pytest
+
+from socompile.plan.cost import CostModel, op_class
+from socompile.plan.hardware import PROFILES
+
+
+def test_matmul_time_is_compute_bound_when_flops_dominate():
+    cost = CostModel(PROFILES["gh200"])
+    t = cost.node_time("matmul", 2 * 4096**3, 3 * 4096 * 4096 * 2)
+    assert t == pytest.approx(2 * 4096**3 / (989e12 * 0.70))
+
+
+def test_elementwise_time_is_bandwidth_bound():
+    cost = CostModel(PROFILES["gh200"])
+    assert cost.node_time("memory", 0, 8e9) == pytest.approx(8e9 / (4.0e12 * 0.80))
+
+
+def test_views_cost_nothing():
+    assert op_class("aten.view.default", is_view=True) == "free"
+    assert CostModel(PROFILES["gh200"]).node_time("free", 10**12, 10**12) == 0
+
+
+def test_node_time_is_a_formula_of_symbolic_shapes_evaluated_at_given_shapes():
+    b, s = sympy.symbols("b s", integer=True, positive=True)
+    cost = CostModel(PROFILES["gh200"], {"b": 4, "s": 4096})
+    expr = cost.node_time("memory", 0, 8192 * b * s)
+    assert expr.free_symbols == {b, s}
+    assert cost.value(expr) == pytest.approx(8192 * 4 * 4096 / 3.2e12)
+
+
+def test_transfer_time_is_latency_plus_bytes_over_the_link():
+    cost = CostModel(PROFILES["h100-pcie"])
+    assert cost.transfer_time(55e9, "h2d") == pytest.approx(1 + 10e-6)
+
+
+def test_cpu_adam_time_uses_the_kernels_bytes_per_parameter():
+    cost = CostModel(PROFILES["gh200"])
+    assert cost.cpu_adam_time(8e9) == pytest.approx(8e9 * 28 / 368e9)
+    assert cost.cpu_adam_time(8e9, grad_dtype_bytes=2) < cost.cpu_adam_time(8e9)

@@ -1,0 +1,91 @@
+import dataclasses
+
+import pytest
+
+from plan_helpers import GB, options, profile, traced
+from socompile.plan.planner import PlanError, plan
+
+
+def test_same_input_gives_byte_identical_plan_json():
+    ir = traced()
+    assert plan(ir, profile(), options()).to_json() == plan(ir, profile(), options()).to_json()
+
+
+def test_everything_stays_on_the_gpu_when_memory_is_plentiful_and_the_cpu_is_slow():
+    p = plan(traced(), profile(cpu_adam_bandwidth=1e6), options())
+    assert all(b.optimizer_site == "device" for b in p.buckets)
+
+
+def test_gpu_resident_buckets_are_the_ones_whose_gradients_come_last():
+    p = plan(traced(), profile(device_bf16_flops=1e9, device_bandwidth=1e9), options(gpu_buckets=2))
+    sites = [b.optimizer_site for b in p.buckets]
+    assert sites == ["cpu"] * (len(sites) - 2) + ["device", "device"]
+
+
+def test_options_gpu_buckets_pins_the_count():
+    p = plan(traced(), profile(), options(gpu_buckets=1))
+    assert sum(b.optimizer_site == "device" for b in p.buckets) == 1
+
+
+def test_tight_device_budget_moves_optimizer_state_to_the_cpu():
+    ir = traced()
+    roomy = plan(ir, profile(), options())
+    tight = plan(ir, profile(), options(device_memory_budget=roomy.prediction("device_peak_bytes") // 2))
+    assert sum(b.optimizer_site == "cpu" for b in tight.buckets) > 0
+    assert tight.prediction("device_peak_bytes") <= tight.prediction("device_budget_bytes")
+
+
+def test_weights_flow_only_when_stationary_weights_do_not_fit():
+    ir = traced()
+    all_cpu = plan(ir, profile(), options(gpu_buckets=0))
+    assert all(b.weight_mode == "stationary" for b in all_cpu.buckets)
+    parts = dict(all_cpu.prediction("device_parts"))
+    budget = all_cpu.prediction("device_peak_bytes") - parts["stationary weights"] // 2
+    flowing = plan(ir, profile(), options(gpu_buckets=0, device_memory_budget=budget))
+    flow = [b for b in flowing.buckets if b.weight_mode == "flow"]
+    assert flow and all(b.prefetch_distance >= 1 for b in flow)
+    assert flowing.prediction("device_peak_bytes") <= budget
+
+
+def test_infeasible_plan_states_the_minimum_memory_and_what_to_change():
+    with pytest.raises(PlanError, match=r"at least [0-9.]+ GB.*sequence length"):
+        plan(traced(), profile(), options(device_memory_budget="1MB"))
+
+
+def test_casts_go_to_the_gpu_on_c2c_and_to_the_cpu_on_pcie():
+    ir = traced(bf16=True)
+    c2c = plan(ir, profile(), options(gpu_buckets=0))
+    pcie = plan(ir, profile("h100-pcie"), options(gpu_buckets=0))
+    assert {b.cast_site for b in c2c.buckets} == {"device"}
+    assert {b.param_link_dtype for b in c2c.buckets} == {"float32"}
+    assert {b.cast_site for b in pcie.buckets} == {"cpu"}
+    assert {b.param_link_dtype for b in pcie.buckets} == {"bfloat16"}
+    assert all("ps/param" in b.cast_reason for b in pcie.buckets)
+
+
+def test_bf16_gradients_cross_the_link_as_bf16_and_fp32_models_stay_fp32():
+    assert {b.link_dtype for b in plan(traced(bf16=True), profile(), options(gpu_buckets=0)).buckets} == {"bfloat16"}
+    assert {b.link_dtype for b in plan(traced(), profile(), options(gpu_buckets=0)).buckets} == {"float32"}
+
+
+def test_host_memory_too_small_for_ping_pong_falls_back_to_inverse_rollback():
+    ir = traced()
+    full = plan(ir, profile(), options(gpu_buckets=0))
+    need = full.prediction("host_bytes")
+    small = plan(ir, profile(host_memory=int(need * 0.8 / 0.9)), options(gpu_buckets=0))
+    assert {"exact", "inverse"} >= {b.rollback for b in small.buckets} and \
+        any(b.rollback == "inverse" for b in small.buckets)
+
+
+def test_symbolic_trace_reports_peak_memory_as_a_formula_of_batch_and_seq():
+    p = plan(traced(symbolic=True), profile(), options())
+    assert "batch*seq" in p.prediction("device_peak_formula")
+
+
+def test_automatic_gpu_bucket_count_is_at_least_as_fast_as_every_hand_set_count():
+    ir = traced()
+    hw = profile(device_bf16_flops=2e11, device_bandwidth=4e10)
+    auto = plan(ir, hw, options())
+    n = len(auto.buckets)
+    times = [plan(ir, hw, options(gpu_buckets=k)).prediction("step_time_s") for k in range(n + 1)]
+    assert auto.prediction("step_time_s") <= min(times) + 1e-12

@@ -1,0 +1,54 @@
+import json
+
+import pytest
+
+from socompile.plan.calibrate import calibrate
+from socompile.plan.hardware import PROFILES, get_profile, load_profile, save_profile
+
+
+def test_shipped_profiles_have_positive_numbers_and_a_source():
+    for name, hw in PROFILES.items():
+        assert hw.name == name
+        assert hw.device_memory > 0 and hw.link_bandwidth > 0 and hw.cpu_adam_params_per_s > 0
+        assert hw.source
+
+
+def test_gh200_link_is_c2c_450_gb_per_direction_and_grace_adam_matches_the_blog():
+    hw = PROFILES["gh200"]
+    assert hw.link_bandwidth == 450e9
+    assert 8e9 / hw.cpu_adam_params_per_s == pytest.approx(0.608, rel=0.01)   # GraceAdam, 8B params
+
+
+def test_user_profile_loads_from_toml(tmp_path):
+    path = tmp_path / "box.toml"
+    path.write_text('[profile]\nname = "box"\ndevice_memory = 24e9\ndevice_bandwidth = 1e12\n'
+                    'device_bf16_flops = 1e14\nhost_memory = 64e9\nhost_bandwidth = 5e10\nhost_cores = 8\n'
+                    'link_bandwidth = 2.5e10\nlink_latency = 1e-5\n')
+    hw = get_profile(str(path))
+    assert hw.name == "box" and hw.device_memory == 24 * 10**9 and hw.host_cores == 8
+
+
+def test_user_profile_round_trips_through_json(tmp_path):
+    path = save_profile(PROFILES["h100-pcie"], tmp_path / "h.json")
+    assert load_profile(path) == PROFILES["h100-pcie"]
+
+
+def test_unknown_profile_key_is_rejected_with_the_closest_name(tmp_path):
+    data = PROFILES["gh200"].to_dict()
+    data["link_bandwith"] = data.pop("link_bandwidth")
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="link_bandwidth"):
+        load_profile(path)
+
+
+def test_unknown_target_names_the_known_ones():
+    with pytest.raises(ValueError, match="gh200"):
+        get_profile("gh2000")
+
+
+def test_calibrate_measures_this_machine_and_writes_a_loadable_profile(tmp_path):
+    hw = calibrate(quick=True)
+    assert hw.host_bandwidth > 1e8 and hw.cpu_adam_bandwidth > 1e8 and hw.link_bandwidth > 1e8
+    assert "measured" in hw.source
+    assert load_profile(save_profile(hw, tmp_path / "me.json")) == hw

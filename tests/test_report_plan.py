@@ -1,0 +1,65 @@
+import json
+import pathlib
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+
+from plan_helpers import options, profile, traced
+from socompile.plan.planner import plan_with_details
+from socompile.plan.simulate import simulate
+from socompile.report import plan_html, plan_json, plan_table
+
+ARTIFACTS = pathlib.Path(__file__).resolve().parent.parent / "artifacts"
+
+
+@pytest.fixture(scope="module")
+def details():
+    return plan_with_details(traced(bf16=True), profile(), options(gpu_buckets=2))
+
+
+def test_table_collapses_identical_layers_into_one_row(details):
+    text = plan_table(details.plan)
+    assert "layers.1..3 x3" in text or "layers.0..3 x4" in text or "..3 x" in text
+    assert "device peak" in text and "ZeRO-Offload" in text
+
+
+def test_json_report_round_trips(details):
+    data = json.loads(plan_json(details.plan))
+    assert data["buckets"][0]["cast_reason"] and data["target"] == "gh200"
+
+
+def test_html_report_is_self_contained_with_one_lane_per_resource(details):
+    page = plan_html(details.plan, [details.simulation])
+    assert "<svg" in page and "link host-&gt;device" in page and "CPU Adam" in page
+    assert "src=" not in page and "<script" not in page
+
+
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser"):
+        if shutil.which(name):
+            return shutil.which(name)
+    try:
+        subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], check=True, capture_output=True, timeout=900)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return shutil.which("chromium")
+
+
+def test_html_report_renders_in_headless_chromium(details):
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("chromium is not installed and apt-get install chromium failed (no root or no network)")
+    ARTIFACTS.mkdir(exist_ok=True)
+    sims = [details.simulation, details.zero_offload, simulate(details.plan, details.costs, details.cost,
+                                                               "zero-infinity")]
+    page = ARTIFACTS / "plan_report.html"
+    page.write_text(plan_html(details.plan, sims, title="socompile plan: tiny on gh200"))
+    shot = ARTIFACTS / "plan_report.png"
+    shot.unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory() as profile_dir:
+        subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                        "--no-first-run", f"--user-data-dir={profile_dir}", f"--screenshot={shot}",
+                        "--window-size=1200,1400", page.as_uri()], check=True, capture_output=True, timeout=120)
+    assert shot.exists() and shot.stat().st_size > 10_000
