@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from plan_helpers import GB, options, profile, traced
+from test_plan_helpers import GB, options, profile, traced
 from socompile.plan.planner import PlanError, plan
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from plan_helpers import options, profile, traced
+from test_plan_helpers import options, profile, traced
 from socompile.plan.planner import plan_with_details
 from socompile.plan.simulate import Task, replay, simulate
 

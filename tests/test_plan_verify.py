@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from plan_helpers import options, profile, traced
+from test_plan_helpers import options, profile, traced
 from socompile.plan.planner import plan_with_details
 from socompile.plan.verify import PlanInvariantError, check, verify
 

@@ -6,7 +6,7 @@ import tempfile
 
 import pytest
 
-from plan_helpers import options, profile, traced
+from test_plan_helpers import options, profile, traced
 from socompile.plan.planner import plan_with_details
 from socompile.plan.simulate import simulate
 from socompile.report import plan_html, plan_json, plan_table
