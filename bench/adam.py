@@ -25,7 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+if "--thp" in sys.argv:  # must be set before torch allocates anything: torch reads it in its CPU allocator
+    os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -184,6 +187,8 @@ def main():
                     help="python of a venv where deepspeed imports and this torch is visible: when deepspeed does "
                          "not import here, the whole benchmark re-runs under that interpreter")
     ap.add_argument("--no-foreach", action="store_true", help="skip torch foreach (slowest, for quick runs)")
+    ap.add_argument("--thp", action="store_true",
+                    help="THP_MEM_ALLOC_ENABLE=1: torch backs large tensors with 2 MB transparent huge pages (all methods)")
     args = ap.parse_args()
 
     ds_reason = deepspeed_status()
@@ -203,7 +208,8 @@ def main():
           f"threads={info['num_threads']}, gcc {info['compiler']}, flags: {info['compile_flags']}")
     print(f"# torch {torch.__version__} threads={torch.get_num_threads()} capability="
           f"{torch.backends.cpu.get_cpu_capability()}; {os.cpu_count()} CPUs; python {sys.executable}")
-    print(f"# warmup={args.warmup} repeats={args.repeats}; methods interleaved round-robin per repeat")
+    print(f"# warmup={args.warmup} repeats={args.repeats}; methods interleaved round-robin per repeat; "
+          f"huge pages: {'THP_MEM_ALLOC_ENABLE=1' if os.environ.get('THP_MEM_ALLOC_ENABLE') == '1' else 'off (4 KiB)'}")
     if ds_reason:
         print(f"# DeepSpeedCPUAdam: not measured: {ds_reason} (install it into a throwaway venv that sees this "
               f"torch, see docs/kernel.md, and pass --deepspeed-python)")
