@@ -1,0 +1,100 @@
+"""Run a function on N local ranks (subprocesses on 127.0.0.1), for tests, benchmarks and quick checks.
+
+    results = run_local("tests/test_dist_ulysses.py:check_forward", nprocs=2, args={"seq": 32})
+
+Each rank is a fresh ``python -m socompile.distributed.launch`` with torchrun's environment variables
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT=<free port>), so the target uses
+``init_distributed()`` exactly as under torchrun. The function gets the ``args`` dict and returns something
+JSON-serialisable; ``run_local`` returns each rank's exit code, result, output and wall time. Nothing is
+left running: ranks still alive at ``timeout_s`` are killed (and reported as timed out).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+
+@dataclasses.dataclass
+class RankResult:
+    rank: int
+    returncode: int | None     # None: killed at the launcher's timeout
+    result: Any
+    output: str
+    seconds: float
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_local(target: str, nprocs: int = 2, args: dict | None = None, timeout_s: float = 120.0,
+              threads_per_rank: int = 1, env: dict | None = None) -> list[RankResult]:
+    """Start ``nprocs`` ranks running ``target`` ("path/to/file.py:function" or "package.module:function")."""
+    port = free_port()
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="socompile-dist-"))
+    procs, logs = [], []
+    start = time.monotonic()
+    for rank in range(nprocs):
+        rank_env = {**os.environ, **(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(threads_per_rank)}
+        log = open(workdir / f"rank{rank}.log", "w+")
+        logs.append(log)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "socompile.distributed.launch", target, json.dumps(args or {}),
+             str(workdir / f"rank{rank}.json")], env=rank_env, stdout=log, stderr=subprocess.STDOUT))
+    ended: dict[int, float] = {}
+    while len(ended) < nprocs and time.monotonic() - start < timeout_s:
+        for rank, proc in enumerate(procs):
+            if rank not in ended and proc.poll() is not None:
+                ended[rank] = time.monotonic() - start
+        time.sleep(0.05)
+    results = []
+    for rank, proc in enumerate(procs):
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        logs[rank].seek(0)
+        output = logs[rank].read()
+        logs[rank].close()
+        path = workdir / f"rank{rank}.json"
+        result = json.loads(path.read_text()) if path.exists() else None
+        results.append(RankResult(rank, proc.returncode if rank in ended else None, result, output,
+                                  ended.get(rank, timeout_s)))
+    return results
+
+
+def _load(target: str):
+    where, _, name = target.rpartition(":")
+    if where.endswith(".py"):
+        spec = importlib.util.spec_from_file_location(pathlib.Path(where).stem, where)
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, str(pathlib.Path(where).resolve().parent))
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    return getattr(module, name)
+
+
+def _main(argv: list[str]) -> int:
+    target, args, out = argv[0], json.loads(argv[1]), argv[2]
+    import torch
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    result = _load(target)(args)
+    pathlib.Path(out).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
