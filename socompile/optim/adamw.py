@@ -4,13 +4,17 @@ Semantics are torch.optim.AdamW's (and its state_dict layout), plus ``max_grad_n
 while steps are speculated, so it is an optimizer argument rather than a separate ``clip_grad_norm_`` call.
 
 Compiled with ``backend="superoffload"``, the backward graph hands each bucket's gradients to this optimizer
-as soon as they exist; a bucket whose step needs no validation is stepped right then by the CPU worker while
-backward goes on. ``step()`` waits for those, steps the rest, and commits. Used eagerly, ``step()`` takes the
-gradients from ``.grad`` and steps every bucket through the same kernel.
+as soon as they exist, and the CPU worker steps the bucket at once while backward goes on:
+- no validation (no ``max_grad_norm``, no ``skip_nonfinite``): the step is final, taken in place;
+- with validation: speculatively, into the bucket's ping-pong spare (or in place, undone by the algebraic
+  inverse, with ``rollback="inverse"``). ``step()`` then validates: commit; or roll back and skip
+  (non-finite gradients); or roll back and redo with the clip coefficient. See runtime/speculation.py.
+Used eagerly, ``step()`` takes the gradients from ``.grad`` and steps every bucket through the same kernel.
 """
 from __future__ import annotations
 
 import math
+import time
 import weakref
 from typing import Iterable
 
@@ -20,9 +24,10 @@ from torch import nn
 from ..options import parse_bytes
 from ..plan.bucketize import bucketize
 from ..runtime import handles
-from ..runtime.cpu_adam import grad_sumsq, step_bucket
+from ..runtime.cpu_adam import grad_stats, rollback_inplace, step_bucket
 from ..runtime.events import EventLog
 from ..runtime.flat_bucket import FlatBucket
+from ..runtime.speculation import Speculator, clip_coefficient
 from ..runtime.worker import CPUWorker
 
 
@@ -45,7 +50,8 @@ class GraphClaim:
 class AdamW(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, max_grad_norm: float | None = None,
-                 bucket_size: int | str = "64MB", grad_accumulation_steps: int = 1, decoupled: bool = True):
+                 bucket_size: int | str = "64MB", grad_accumulation_steps: int = 1, decoupled: bool = True,
+                 skip_nonfinite: bool | None = None, rollback: str = "pingpong", predict_clipping: bool = True):
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
@@ -56,7 +62,16 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"grad_accumulation_steps must be >= 1, got {grad_accumulation_steps}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, decoupled=decoupled)
         super().__init__(params, defaults)
+        if rollback not in ("pingpong", "inverse"):
+            raise ValueError(f"rollback must be 'pingpong' (exact, 2x optimizer state) or 'inverse' (algebraic, "
+                             f"1x state), got {rollback!r}")
         self.max_grad_norm = max_grad_norm
+        # Reference semantics: with clipping, a non-finite norm skips the step (torch would propagate NaN);
+        # without clipping, behave as torch.optim.AdamW unless asked.
+        self.skip_nonfinite = (max_grad_norm is not None) if skip_nonfinite is None else skip_nonfinite
+        self.rollback = rollback
+        self.last_step_clipped = False
+        self._speculator = Speculator(max_grad_norm, predict=predict_clipping)
         self.bucket_size = parse_bytes(bucket_size, "bucket_size")
         self.grad_accumulation_steps = grad_accumulation_steps
         self.events = EventLog()
@@ -104,6 +119,7 @@ class AdamW(torch.optim.Optimizer):
             bucket = FlatBucket(index, params)
             bucket.adopt(self._slot)
             bucket.group_of = [self._group_index[id(p)] for p in params]
+            bucket.rollback_mode = self.rollback
             made.append(bucket)
         for bucket in made:
             for i, p in enumerate(bucket.params):
@@ -152,18 +168,43 @@ class AdamW(torch.optim.Optimizer):
             bucket.receive(i, grad, accumulate=p.grad is not None)
             p.grad = bucket.view(bucket.grad, i)
         bucket.arrivals += 1
-        if may_speculate and self._may_speculate() and bucket.arrivals >= self.grad_accumulation_steps:
-            bucket.pending = self._get_worker().submit(lambda: self._step_logged(bucket, 1.0))
+        # Only the last micro-batch's gradients are final: earlier ones just accumulate.
+        if bucket.arrivals == self.grad_accumulation_steps and may_speculate:
+            bucket.pending = self._get_worker().submit(lambda: self._on_bucket_complete(bucket))
 
-    def _may_speculate(self) -> bool:
-        # Without validation (no clipping) the step at gradient arrival is final: speculation is exact.
-        # With max_grad_norm, steps wait for the global norm (speculation with rollback is issue 6).
-        return self.max_grad_norm is None
+    def _validating(self) -> bool:
+        return self.max_grad_norm is not None or self.skip_nonfinite
 
-    def _step_logged(self, bucket: FlatBucket, grad_scale: float) -> None:
-        self.events.record("step_start", bucket.index)
-        step_bucket(bucket, self.param_groups, bucket.group_of, grad_scale)
-        self.events.record("step_end", bucket.index)
+    def _on_bucket_complete(self, bucket: FlatBucket) -> None:
+        """Worker thread: speculate the bucket's step if still worthwhile; always learn its norm partial."""
+        start = time.perf_counter()
+        if not self._validating():
+            # Nothing to validate: the step taken now is final (in place, as torch would take it).
+            self.events.record("step_start", bucket.index)
+            step_bucket(bucket, self.param_groups)
+            bucket.stepped = True
+            self.events.record("step_end", bucket.index)
+            return
+        spec = self._speculator
+        if not spec.may_speculate():
+            bucket.partial = grad_stats(bucket)
+            spec.stats.held += 1
+        elif bucket.rollback_mode == "pingpong":
+            self.events.record("step_start", bucket.index)
+            bucket.partial = step_bucket(bucket, self.param_groups, into_spare=True)
+            bucket.speculated = "spare"
+            self.events.record("step_end", bucket.index)
+        else:  # memory-tight: one copy of the state, undone by the algebraic inverse if needed
+            bucket.partial = grad_stats(bucket)
+            if not bucket.partial[1]:  # the inverse cannot undo a step that saw NaN/Inf: never take one
+                self.events.record("step_start", bucket.index)
+                step_bucket(bucket, self.param_groups)
+                bucket.speculated = "inplace"
+                self.events.record("step_end", bucket.index)
+        if bucket.speculated:
+            spec.stats.speculated += 1
+            spec.stats.seconds_speculating += time.perf_counter() - start
+        spec.add_partial(*bucket.partial)
 
     def _get_worker(self) -> CPUWorker:
         if self._worker is None:
@@ -185,50 +226,92 @@ class AdamW(torch.optim.Optimizer):
                 loss = closure()
         self._wait_pending()
         self._adopt_new_trainables()
-        buckets = self.buckets
+        buckets = self.buckets  # a fixed order, so the global norm is summed the same way every time
         for bucket in buckets:
-            if not bucket.stepped:
+            if not bucket.stepped and bucket.speculated is None:
                 bucket.gather_eager_grads()
-        scale = self._validate(buckets)
-        if scale is not None:
+        if self._validating():
+            self._validate_and_finish(buckets)
+        else:
             for bucket in buckets:
                 if not bucket.stepped:
-                    self._step_logged(bucket, scale)
+                    self._step_now(bucket, 1.0)
             self._commit(buckets)
         for bucket in buckets:
-            bucket.arrivals, bucket.stepped = 0, False
+            bucket.reset_iteration()
+        self._speculator.begin_step()
         return loss
 
-    def _validate(self, buckets: list[FlatBucket]) -> float | None:
-        """None: skip the step (non-finite norm). Else the gradient scale (clip coefficient, or 1)."""
-        self.last_step_skipped = False
-        if self.max_grad_norm is None:
-            return 1.0
+    def _step_now(self, bucket: FlatBucket, grad_scale: float) -> None:
+        self.events.record("step_start", bucket.index)
+        step_bucket(bucket, self.param_groups, grad_scale)
+        bucket.stepped = True
+        self.events.record("step_end", bucket.index)
+
+    def _validate_and_finish(self, buckets: list[FlatBucket]) -> None:
+        """Validation: commit the speculated steps, or roll them back and skip (non-finite gradients), or
+        roll them back and redo them with clipped gradients."""
+        start = time.perf_counter()
+        spec = self._speculator
         total, nonfinite = 0.0, False
         for bucket in buckets:
-            s, bad = grad_sumsq(bucket)
-            total, nonfinite = total + s, nonfinite or bad
-        norm = math.sqrt(total) if not nonfinite else float("nan")
+            if bucket.partial is None:
+                bucket.partial = grad_stats(bucket)
+            total, nonfinite = total + bucket.partial[0], nonfinite or bucket.partial[1]
+        norm = math.sqrt(total) if not nonfinite and math.isfinite(total) else float("nan")
         self.last_grad_norm = norm
+        speculated = [b for b in buckets if b.speculated]
         self.events.record("validate")
         if not math.isfinite(norm):
-            self.last_step_skipped = True
-            return None
-        # Same coefficient as torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6), clamped to 1.
-        return min(1.0, self.max_grad_norm / (norm + 1e-6))
+            for bucket in speculated:
+                self._roll_back(bucket)
+            self.last_step_skipped, self.last_step_clipped = True, False
+            self.events.record("skip")
+        else:
+            scale = clip_coefficient(norm, self.max_grad_norm)
+            self.last_step_skipped, self.last_step_clipped = False, scale < 1.0
+            for bucket in buckets:
+                if bucket.speculated and scale < 1.0:
+                    self._roll_back(bucket)
+                    self._step_now(bucket, scale)
+                    spec.stats.redone += 1
+                elif bucket.speculated:
+                    if bucket.speculated == "spare":
+                        bucket.swap_in_spare()
+                    spec.stats.committed += 1
+                elif not bucket.stepped:
+                    self._step_now(bucket, scale)
+            self._commit(buckets)
+        spec.end_step(norm, skipped=self.last_step_skipped, clipped=self.last_step_clipped)
+        spec.stats.seconds_validating += time.perf_counter() - start
+
+    def _roll_back(self, bucket: FlatBucket) -> None:
+        if bucket.speculated == "inplace":
+            rollback_inplace(bucket, self.param_groups, grad_scale=1.0)
+        # "spare": the current state was never written; dropping the spare is the rollback.
+        bucket.speculated = None
+        self._speculator.stats.rolled_back += 1
+        self.events.record("rollback", bucket.index)
 
     def _commit(self, buckets: list[FlatBucket]) -> None:
         for bucket in buckets:
             for i, p in enumerate(bucket.params):
                 if not bucket.has_grad[i]:
                     continue
+                bucket.steps[i] += 1
                 state = self.state[p]
                 if "step" not in state:
                     state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = bucket.view(bucket.exp_avg, i)
-                    state["exp_avg_sq"] = bucket.view(bucket.exp_avg_sq, i)
+                # Views of the current copy (a ping-pong commit may just have swapped it).
+                state["exp_avg"] = bucket.view(bucket.exp_avg, i)
+                state["exp_avg_sq"] = bucket.view(bucket.exp_avg_sq, i)
                 state["step"].fill_(float(bucket.steps[i]))
         self.events.record("commit")
+
+    @property
+    def stats(self) -> dict:
+        """Counters of speculation: buckets speculated, committed, rolled back, redone; time in each."""
+        return self._speculator.stats.as_dict()
 
     def _adopt_new_trainables(self) -> None:
         if any(id(p) not in self._slot and p.grad is not None for p in self._all_params()):
@@ -252,21 +335,62 @@ class AdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self):
+        """torch.optim.AdamW's layout: ``state[i] = {"step", "exp_avg", "exp_avg_sq"}`` (fp32, the parameter's
+        shape; "step" a float32 scalar tensor), and param groups with torch's keys, so ``torch.optim.AdamW``
+        loads it as is. Tensors are views of the live buckets (as torch returns its live state): save or clone
+        them before training on. Call it after ``opt.step()``, not between backward and step."""
         self._wait_pending()
-        return super().state_dict()
+        # Read the buckets' *current* buffers: a ping-pong commit swaps them, so views taken earlier may point
+        # at the spare. The step count lives in the bucket too.
+        for p, state in self.state.items():
+            slot = self._slot.get(id(p))
+            if slot is None or "step" not in state:
+                continue
+            bucket, i = slot
+            state["exp_avg"] = bucket.view(bucket.exp_avg, i)
+            state["exp_avg_sq"] = bucket.view(bucket.exp_avg_sq, i)
+            state["step"] = torch.tensor(float(bucket.steps[i]), dtype=torch.float32)
+        out = super().state_dict()
+        for group in out["param_groups"]:   # fresh dicts made by torch: ours stay untouched
+            decoupled = group.pop("decoupled", True)
+            for key, value in (("amsgrad", False), ("maximize", False), ("foreach", None), ("capturable", False),
+                               ("differentiable", False), ("fused", None)):
+                group.setdefault(key, value)
+            group["decoupled_weight_decay"] = decoupled
+        return out
 
     def load_state_dict(self, state_dict) -> None:
+        """Load a state dict of socompile.AdamW or of torch.optim.AdamW (same layout). Parameters without a
+        state in it start fresh (step 0, zero moments), as in torch."""
         self._wait_pending()
-        super().load_state_dict(state_dict)
-        # torch's loader replaced our views with fresh tensors: copy them into the buckets, re-alias.
-        for p, state in self.state.items():
-            bucket, i = self._slot[id(p)]
-            for key, buffer in (("exp_avg", bucket.exp_avg), ("exp_avg_sq", bucket.exp_avg_sq)):
-                if key in state:
+        groups = []
+        for n, group in enumerate(state_dict["param_groups"]):
+            for key in ("amsgrad", "maximize", "capturable", "differentiable"):
+                if group.get(key):
+                    raise ValueError(f"the state dict's param group {n} has {key}=True, which socompile.AdamW does "
+                                     f"not implement; load it into torch.optim.AdamW, or train with {key}=False")
+            group = {k: v for k, v in group.items()
+                     if k not in ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
+                                  "decoupled_weight_decay")}
+            group["decoupled"] = state_dict["param_groups"][n].get(
+                "decoupled", state_dict["param_groups"][n].get("decoupled_weight_decay", True))
+            groups.append(group)
+        super().load_state_dict({"state": state_dict["state"], "param_groups": groups})
+        # torch's loader put the saved tensors into self.state: copy them into the buckets, then alias.
+        for bucket in self.buckets:
+            for i, p in enumerate(bucket.params):
+                state = self.state.get(p)
+                if not state or "step" not in state:
+                    bucket.view(bucket.exp_avg, i).zero_()
+                    bucket.view(bucket.exp_avg_sq, i).zero_()
+                    bucket.steps[i] = 0
+                    self.state.pop(p, None)
+                    continue
+                for key, buffer in (("exp_avg", bucket.exp_avg), ("exp_avg_sq", bucket.exp_avg_sq)):
                     bucket.view(buffer, i).copy_(state[key])
                     state[key] = bucket.view(buffer, i)
-            if "step" in state:
-                bucket.steps[i] = int(state["step"].item())
+                bucket.steps[i] = int(float(state["step"]))
+                state["step"] = torch.tensor(float(bucket.steps[i]), dtype=torch.float32)
 
     def __del__(self):
         if getattr(self, "_worker", None) is not None:

@@ -1,4 +1,10 @@
-"""Steps one FlatBucket with the socompile_ext CPU kernel (one kernel call per run of segments)."""
+"""Kernel calls on one FlatBucket: step (in place or into the ping-pong spare), gradient statistics, and the
+algebraic inverse. One kernel call per run of segments (see FlatBucket.runs).
+
+NOTE: the bucket's gradient statistics are summed run by run in bucket order, the same way whether they come
+from a step (which computes them in the same pass) or from ``grad_stats``, so a speculative and a
+non-speculative step see bitwise the same global norm.
+"""
 from __future__ import annotations
 
 from .flat_bucket import FlatBucket
@@ -13,29 +19,45 @@ def _kernel():
     return socompile_ext
 
 
-def step_bucket(bucket: FlatBucket, groups: list[dict], group_of: list[int], grad_scale: float = 1.0) -> None:
-    """AdamW/Adam step of every segment of ``bucket`` that has a gradient, then bump their step counts."""
+def _hyper(group: dict, step: int) -> dict:
+    beta1, beta2 = group["betas"]
+    return dict(step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]), decoupled=group.get("decoupled", True))
+
+
+def step_bucket(bucket: FlatBucket, groups: list[dict], grad_scale: float = 1.0,
+                into_spare: bool = False) -> tuple[float, bool]:
+    """AdamW/Adam step of every segment of ``bucket`` that has a gradient, at step count ``steps[i] + 1``.
+    ``into_spare``: read the current state, write the ping-pong spare (current state untouched).
+    Returns the statistics of the scaled gradients. Step counts are bumped by the caller at commit."""
     kernel = _kernel()
-    for start, end, gi, step in bucket.runs(group_of):
-        group = groups[gi]
-        beta1, beta2 = group["betas"]
-        kernel.adam_step(bucket.master[start:end], bucket.grad[start:end], bucket.exp_avg[start:end],
-                         bucket.exp_avg_sq[start:end], step=step, lr=float(group["lr"]), beta1=float(beta1),
-                         beta2=float(beta2), eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                         decoupled=group.get("decoupled", True), grad_scale=grad_scale)
-    for i, present in enumerate(bucket.has_grad):
-        if present:
-            bucket.steps[i] += 1
-    bucket.stepped = True
+    outputs = bucket.spare_buffers() if into_spare else None
+    total, nonfinite = 0.0, False
+    for start, end, gi, step in bucket.runs(bucket.group_of):
+        out = {}
+        if outputs is not None:
+            out = dict(param_out=outputs[0][start:end], exp_avg_out=outputs[1][start:end],
+                       exp_avg_sq_out=outputs[2][start:end])
+        s, bad = kernel.adam_step(bucket.master[start:end], bucket.grad[start:end], bucket.exp_avg[start:end],
+                                  bucket.exp_avg_sq[start:end], grad_scale=grad_scale,
+                                  **_hyper(groups[gi], step), **out)
+        total, nonfinite = total + s, nonfinite or bad
+    return total, nonfinite
 
 
-def grad_sumsq(bucket: FlatBucket) -> tuple[float, bool]:
-    """Sum of squared gradients over segments that have one, and whether any is non-finite."""
+def grad_stats(bucket: FlatBucket) -> tuple[float, bool]:
+    """Sum of squared gradients (unscaled) and any-non-finite over the same runs a step would use."""
     kernel = _kernel()
     total, nonfinite = 0.0, False
-    for i, present in enumerate(bucket.has_grad):
-        if present:
-            s, bad = kernel.grad_stats(bucket.grad[bucket.segment(i)])
-            total += s
-            nonfinite |= bad
+    for start, end, _, _ in bucket.runs(bucket.group_of):
+        s, bad = kernel.grad_stats(bucket.grad[start:end])
+        total, nonfinite = total + s, nonfinite or bad
     return total, nonfinite
+
+
+def rollback_inplace(bucket: FlatBucket, groups: list[dict], grad_scale: float) -> None:
+    """Undo an in-place step with the algebraic inverse (memory-tight mode; not bitwise)."""
+    kernel = _kernel()
+    for start, end, gi, step in bucket.runs(bucket.group_of):
+        kernel.adam_rollback(bucket.master[start:end], bucket.grad[start:end], bucket.exp_avg[start:end],
+                             bucket.exp_avg_sq[start:end], grad_scale=grad_scale, **_hyper(groups[gi], step))

@@ -6,6 +6,11 @@ NOTE: parameters alias the bucket. Each fp32 parameter's ``.data`` is re-pointed
 step node must therefore run after the last backward read of those weights (the planner's ``ready_after``).
 Segments start at multiples of ALIGN elements so compiled kernels see aligned inputs; the padding is zero in
 every buffer and stays zero under the update (zero gradient, zero moments -> zero step).
+
+NOTE: ping-pong state. For exact, free rollback a bucket keeps a second ("spare") copy of master weights and
+moments. A speculative step reads the current copy and writes the spare; commit swaps the two (re-pointing
+the parameters to the new weights); rollback does nothing. ``rollback_mode = "inverse"`` keeps one copy and
+undoes a speculative step with the kernel's algebraic inverse (not bitwise; for memory-tight plans).
 """
 from __future__ import annotations
 
@@ -41,8 +46,12 @@ class FlatBucket:
         self.steps = [0] * len(params)
         self.has_grad = [False] * len(params)
         self.arrivals = 0          # backward passes that delivered this bucket's gradients since the last step
-        self.pending = None        # Future of a speculative step in flight
-        self.stepped = False       # stepped in this iteration (speculatively or not)
+        self.pending = None        # Future of the worker's task for this bucket (stats, maybe a speculative step)
+        self.stepped = False       # stepped in this iteration, finally (no validation pending)
+        self.speculated = None     # None, or where the speculative step wrote: "spare" or "inplace"
+        self.partial = None        # (sum of squared gradients, any non-finite) of this iteration, once known
+        self.rollback_mode = "pingpong"
+        self.spare = None          # (master, exp_avg, exp_avg_sq) of the ping-pong spare, allocated on first use
 
     def segment(self, i: int) -> slice:
         return slice(self.offsets[i], self.offsets[i] + self.sizes[i])
@@ -111,7 +120,29 @@ class FlatBucket:
         # Padding between segments is zero in all buffers, so a run may cover it.
         return i > 0 and self.has_grad[i - 1] and _round_up(prev_end, ALIGN) == self.offsets[i]
 
-    def clear_grads(self) -> None:
-        self.has_grad = [False] * len(self.params)
+    def spare_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.spare is None:
+            self.spare = (torch.zeros_like(self.master), torch.zeros_like(self.exp_avg),
+                          torch.zeros_like(self.exp_avg_sq))
+        return self.spare
+
+    def swap_in_spare(self) -> None:
+        """Commit a ping-pong step: the spare becomes current. Segments the step did not write (no gradient)
+        are copied across first, so the new current copy is complete."""
+        spare_master, spare_m, spare_v = self.spare
+        for i, present in enumerate(self.has_grad):
+            if not present:
+                seg = self.segment(i)
+                spare_master[seg].copy_(self.master[seg])
+                spare_m[seg].copy_(self.exp_avg[seg])
+                spare_v[seg].copy_(self.exp_avg_sq[seg])
+        self.spare = (self.master, self.exp_avg, self.exp_avg_sq)
+        self.master, self.exp_avg, self.exp_avg_sq = spare_master, spare_m, spare_v
+        for i, p in enumerate(self.params):
+            p.data = self.view(self.master, i)
+
+    def reset_iteration(self) -> None:
         self.arrivals = 0
         self.stepped = False
+        self.speculated = None
+        self.partial = None
