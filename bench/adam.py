@@ -225,6 +225,7 @@ def main():
 
     configs = [(parse_size(s), int(t), mode) for s in args.sizes.split(",") for t in args.tensors.split(",")
                for mode in args.modes.split(",")]
+    load0 = os.getloadavg()[0]
     results, best = {}, {}
     print(f"\n{'N':>5} {'tensors':>7} {'mode':>4}  {'method':<26} {'median s':>9} {'min s':>9} {'max s':>9} {'GB/s':>6}")
     for k in configs:
@@ -241,6 +242,8 @@ def main():
             print(f"{fmt_size(n):>5} {nt:>7} {mode:>4}  {label:<26} {med:9.4f} {lo:9.4f} {hi:9.4f} {gbs:6.1f}", flush=True)
         print()
 
+    print(f"# load average (1 min) at start {load0:.2f}, at end {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs: "
+          f"above ~0.5 other processes share the cores and the medians include their interference\n")
     print_ratios(configs, best, "min (best-of-repeats: what the code can do when no other process interferes)",
                  verdicts=False)
     print()

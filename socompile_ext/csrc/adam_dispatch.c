@@ -46,6 +46,8 @@ static const socx_table k_tables[SOCX_ISA_COUNT] = {
 #endif
 #if defined(__aarch64__)
     [SOCX_ISA_NEON] = {socx_step_neon, socx_sumsq_neon, socx_copy_neon},
+#endif
+#if SOCX_HAVE_SVE
     [SOCX_ISA_SVE] = {socx_step_sve, socx_sumsq_sve, socx_copy_sve},
 #endif
 };

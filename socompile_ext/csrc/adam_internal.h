@@ -50,6 +50,13 @@ typedef double (*socx_step_fn)(const socx_buffers *b, const socx_consts *c, int6
 typedef double (*socx_sumsq_fn)(const float *g32, const uint16_t *g16, int64_t i0, int64_t i1);
 typedef void (*socx_copy_fn)(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1);
 
+/* The SVE file needs arm_sve.h under a target pragma: GCC 10 or newer (older aarch64 compilers get NEON only). */
+#if defined(__aarch64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
+#define SOCX_HAVE_SVE 1
+#else
+#define SOCX_HAVE_SVE 0
+#endif
+
 /* Per-ISA entry points (each file defines its three; files for the other architecture define none). */
 double socx_step_scalar(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1);
 double socx_sumsq_scalar(const float *g32, const uint16_t *g16, int64_t i0, int64_t i1);
@@ -66,6 +73,8 @@ void socx_copy_avx512(const socx_buffers *b, const socx_consts *c, int64_t i0, i
 double socx_step_neon(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1);
 double socx_sumsq_neon(const float *g32, const uint16_t *g16, int64_t i0, int64_t i1);
 void socx_copy_neon(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1);
+#endif
+#if SOCX_HAVE_SVE
 double socx_step_sve(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1);
 double socx_sumsq_sve(const float *g32, const uint16_t *g16, int64_t i0, int64_t i1);
 void socx_copy_sve(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1);

@@ -6,11 +6,11 @@
  * The parameters, moments and bf16 output are bitwise identical to the other paths. The sum of squares
  * uses even/odd double lanes whose number depends on the vector length, so it may differ from the
  * 16-lane paths in the last bits (csrc/tests/adam_harness.c checks it to 1e-12 relative). */
-#if defined(__aarch64__)
+#include "adam_internal.h"
+
+#if SOCX_HAVE_SVE
 #pragma GCC target("+sve")
 #include <arm_sve.h>
-
-#include "adam_internal.h"
 
 #define AI static inline __attribute__((always_inline))
 

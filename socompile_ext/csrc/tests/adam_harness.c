@@ -139,7 +139,7 @@ int main(void) {
     printf("usable paths:");
     for (int k = 0; k < npaths; k++) printf(" %s", socx_isa_name(paths[k]));
     printf(" (best: %s)\n", socx_isa_name(socx_current_isa()));
-#if defined(__ARM_FEATURE_SVE) || defined(__aarch64__)
+#if SOCX_HAVE_SVE
     if (socx_isa_available(SOCX_ISA_SVE)) {
         /* report the vector length the kernel sees */
         extern int harness_sve_bits(void);
@@ -182,7 +182,7 @@ int main(void) {
     return failures ? 1 : 0;
 }
 
-#if defined(__aarch64__)
+#if SOCX_HAVE_SVE
 #pragma GCC target("+sve")
 #include <arm_sve.h>
 int harness_sve_bits(void) { return (int)svcntb() * 8; }
