@@ -110,8 +110,11 @@ def average_gradients(params, group) -> None:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads or dist.get_world_size(group) == 1:
         return
+    from .faults import guard
+
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
+    with guard("average_gradients (all_reduce)", group):
+        dist.all_reduce(flat, group=group)
     flat /= dist.get_world_size(group)   # gloo has no AVG/PREMUL_SUM: sum, then divide
     offset = 0
     for g in grads:

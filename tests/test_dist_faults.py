@@ -1,0 +1,97 @@
+"""Faults: a dead or hung rank makes the survivor fail with a clear error within the timeout; ranks with
+different plans are told which fields differ."""
+from __future__ import annotations
+
+import os
+import pathlib
+import time
+
+import torch
+
+from socompile.distributed.launch import run_local
+
+HERE = str(pathlib.Path(__file__).resolve())
+TIMEOUT_S = 3.0
+
+
+def _dead_or_hung_peer(args: dict) -> dict:
+    import socompile.distributed as sd
+    from socompile.models import build
+
+    topo = sd.init_distributed(sp=2, timeout_s=TIMEOUT_S)
+    torch.manual_seed(0)
+    model = sd.parallelize(build("tiny", n_layers=1), topo.sp_group)
+    x = torch.randint(0, 256, (1, 16))
+    with sd.guard("warm-up forward", timeout_s=TIMEOUT_S):
+        model(sd.shard_sequence(x, topo.sp_group))         # both ranks alive: works
+    if topo.rank == 1:
+        if args["mode"] == "dead":
+            os._exit(17)                                   # dies without a word
+        time.sleep(args["hang_s"])                         # hangs past the others' timeout
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        with sd.guard("forward (Ulysses all-to-all)", timeout_s=TIMEOUT_S):
+            model(sd.shard_sequence(x, topo.sp_group))
+    except sd.CollectiveError as exc:
+        print(f"survivor error after {time.monotonic() - start:.1f}s: {exc}", flush=True)
+        raise
+    return {"unexpected": "no error"}
+
+
+def _survivor(results):
+    survivor = results[0]
+    assert survivor.returncode not in (0, None), f"survivor did not fail:\n{survivor.output[-2000:]}"
+    assert "CollectiveError" in survivor.output and "forward (Ulysses all-to-all) failed on rank 0" in survivor.output
+    return survivor
+
+
+def test_dead_rank_makes_survivor_fail_clearly_within_timeout():
+    results = run_local(f"{HERE}:_dead_or_hung_peer", 2, {"mode": "dead"}, timeout_s=60)
+    assert results[1].returncode == 17
+    survivor = _survivor(results)
+    assert "a peer rank died" in survivor.output or "hung" in survivor.output
+    assert survivor.seconds < results[1].seconds + TIMEOUT_S + 15   # exit, not a hang (slack: interpreter exit)
+
+
+def test_hung_rank_makes_survivor_fail_after_the_timeout():
+    results = run_local(f"{HERE}:_dead_or_hung_peer", 2, {"mode": "hung", "hang_s": 10}, timeout_s=60)
+    survivor = _survivor(results)
+    assert "hung or too slow" in survivor.output
+    waited = float(survivor.output.split("survivor error after ")[1].split("s:")[0])
+    assert TIMEOUT_S - 0.5 <= waited <= TIMEOUT_S + 5, waited
+    assert survivor.seconds < results[1].seconds, "the survivor must exit before the hung rank wakes up"
+
+
+def _plan_check(args: dict) -> dict:
+    import socompile.distributed as sd
+    from socompile.options import Options
+    from socompile.plan.plan import Plan
+
+    topo = sd.init_distributed(timeout_s=20)
+    bucket_size = "64MB" if topo.rank == 0 or not args["differ"] else "1MB"
+    options = Options(bucket_size=bucket_size)
+    plan = Plan(target="gh200", bucket_size=options.bucket_size, buckets=(), unoptimized_params=())
+    try:
+        return {"hash": sd.check_plan_across_ranks(plan, options, topo.world_group)}
+    except sd.PlanMismatchError as exc:
+        return {"error": str(exc)}
+    finally:
+        sd.shutdown()
+
+
+def test_same_plans_pass_the_check_with_one_hash():
+    results = run_local(f"{HERE}:_plan_check", 2, {"differ": False}, timeout_s=60)
+    assert all(r.returncode == 0 for r in results), results[0].output[-2000:]
+    assert results[0].result["hash"] == results[1].result["hash"]
+
+
+def test_plan_mismatch_names_the_differing_fields_on_every_rank():
+    results = run_local(f"{HERE}:_plan_check", 2, {"differ": True}, timeout_s=60)
+    for r in results:
+        assert r.returncode == 0, r.output[-2000:]
+        message = r.result["error"]
+        assert "rank 1 differs from rank 0 in" in message
+        assert "options.bucket_size (rank 0: 64000000, rank 1: 1000000)" in message
+        assert "plan.bucket_size" in message
+        assert "options.target" not in message   # only what differs
