@@ -17,14 +17,14 @@ from typing import Any, Mapping
 import torch
 from torch import fx
 
+from . import errors
 from .context import CompileContext
+from .errors import OffloadError
+from .logs import artifact, register_with_torch, timed
 from .options import Options
 
 log = logging.getLogger("socompile")
-
-
-class OffloadError(RuntimeError):
-    """The superoffload backend cannot compile this model as asked; the message says what to change."""
+register_with_torch()   # TORCH_LOGS=+socompile; only adds our name to torch's log registry
 
 
 def superoffload(gm: fx.GraphModule, example_inputs: list, options: Mapping[str, Any] | None = None,
@@ -57,7 +57,13 @@ class SuperOffload:
         from .capture import find_parameters
 
         ctx = CompileContext(options=self.options)
+        self._check_dynamo_graph(gm)
         params = find_parameters(gm, example_inputs)
+        if not params and (errors.graph_break_of(gm) is not None or errors.is_resumed_piece(gm)):
+            # A parameter-free piece of a region split by a graph break (e.g. the loss after the break):
+            # nothing to offload here, compile its compute as usual.
+            log.debug("socompile: a piece of a split graph has no parameters; compiled without the optimizer")
+            return _compile(gm, example_inputs, ctx)
         if not params:
             raise OffloadError("superoffload: the compiled graph has no parameters, so there is nothing to "
                                "offload. Compile the nn.Module that owns the parameters, or use "
@@ -67,6 +73,20 @@ class SuperOffload:
         ctx.optimizer = _owning_optimizer([p for _, _, p in params], [n for _, n, _ in params])
         self.compiled.append(ctx)
         return _compile(gm, example_inputs, ctx)
+
+    def _check_dynamo_graph(self, gm: fx.GraphModule) -> None:
+        """Graph breaks inside the compiled region and recompile storms: say where, and what to do."""
+        brk = errors.graph_break_of(gm)
+        _, count = errors.compile_count(gm)
+        if brk is not None and self.options.on_graph_break != "ignore":
+            message = errors.graph_break_message(brk)
+            if self.options.on_graph_break == "error":
+                raise OffloadError(message)
+            if count == 0:   # once per break, not again on every recompile
+                log.warning(message)
+        limit = self.options.recompile_warn_after
+        if limit and count == limit:
+            log.warning(errors.recompile_message(count))
 
 
 def _owning_optimizer(params: list[torch.nn.Parameter], names: list[str]):
@@ -80,13 +100,14 @@ def _owning_optimizer(params: list[torch.nn.Parameter], names: list[str]):
                 unowned.append(name)
         else:
             owners[id(opt)] = opt
+    total = len(unowned) + sum(1 for p in params if getattr(p, "_socompile_owner", None) is not None
+                               and p._socompile_owner() is not None)
     if len(owners) > 1:
         raise OffloadError("one compiled graph has parameters of several socompile optimizers; use one "
                            "socompile.AdamW with parameter groups instead")
     if unowned:
         shown = ", ".join(unowned[:3]) + (" ..." if len(unowned) > 3 else "")
-        log.warning("socompile: %d parameter(s) have no socompile optimizer and keep ordinary .grad (%s)",
-                    len(unowned), shown)
+        log.warning(errors.unowned_parameters_message(len(unowned), total, shown))
     return next(iter(owners.values()), None)
 
 
@@ -125,10 +146,15 @@ def _apply_plan(ctx: CompileContext, bw: fx.GraphModule) -> fx.GraphModule:
     from .capture import build_ir, describe
     from .plan import get_profile, plan
 
-    infos = [describe(i, name, ctx.param_objects[i], optimized=ctx.optimizer is not None)
-             for i, name in ctx.param_names.items()]
-    ctx.ir = build_ir(ctx.forward_graph, bw, infos)
-    ctx.plan = plan(ctx.ir, get_profile(ctx.options.target), ctx.options)
+    if not ctx.param_names:   # a parameter-free piece of a split region: nothing to plan
+        return bw
+    with timed("capture"):
+        infos = [describe(i, name, ctx.param_objects[i], optimized=ctx.optimizer is not None)
+                 for i, name in ctx.param_names.items()]
+        ctx.ir = build_ir(ctx.forward_graph, bw, infos)
+    with timed("plan"):
+        ctx.plan = plan(ctx.ir, get_profile(ctx.options.target), ctx.options)
+    _emit_plan(ctx)
     ctx.backward_graph = bw
     if ctx.optimizer is not None and ctx.plan.buckets:
         by_name = {name: ctx.param_objects[i] for i, name in ctx.param_names.items()}
@@ -138,9 +164,24 @@ def _apply_plan(ctx: CompileContext, bw: fx.GraphModule) -> fx.GraphModule:
                                     early_step=[b.optimizer_site == "cpu" and ctx.options.speculate
                                                 for b in ctx.plan.buckets])
         ctx.claim_handle = claim.handle
-        bw = passes.run_passes(bw, "bw", ctx.plan, ctx)
+        with timed("passes"):
+            bw = passes.run_passes(bw, "bw", ctx.plan, ctx)
+        _emit_pass_graphs(ctx)
     if ctx.options.dump_dir:
         from .report.dump import write_dumps
         write_dumps(ctx, ctx.options.dump_dir)
     log.info("socompile: planned %d bucket(s) for target %s", len(ctx.plan.buckets), ctx.plan.target)
     return bw
+
+
+def _emit_plan(ctx: CompileContext) -> None:
+    """The plan as tlparse artifacts (TORCH_TRACE=<dir>): JSON and the text table."""
+    from .report.table import plan_json, plan_table
+    artifact("socompile_plan", lambda: plan_json(ctx.plan), encoding="json")
+    artifact("socompile_plan_table", lambda: plan_table(ctx.plan))
+
+
+def _emit_pass_graphs(ctx: CompileContext) -> None:
+    for dump in ctx.dumps:
+        artifact(f"socompile_pass_{dump.pass_name}_before", lambda d=dump: d.before)
+        artifact(f"socompile_pass_{dump.pass_name}_after", lambda d=dump: d.after)

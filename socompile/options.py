@@ -58,6 +58,10 @@ class Options:
     """OpenMP threads of the CPU optimizer kernel; None: all cores."""
     speculate: bool = True
     """Start each CPU bucket's step as soon as its gradients are complete, before validation."""
+    on_graph_break: str = "warn"
+    """On a graph break inside the compiled region: 'warn' (log where, with the source line), 'error', 'ignore'."""
+    recompile_warn_after: int = 4
+    """Warn once when the same code has been recompiled this many times (a recompile storm); 0 turns it off."""
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(Options)
@@ -69,6 +73,10 @@ class Options:
         if self.device_memory_budget is not None:
             object.__setattr__(self, "device_memory_budget",
                                parse_bytes(self.device_memory_budget, "device_memory_budget"))
+        if self.on_graph_break not in ("warn", "error", "ignore"):
+            raise OptionError(f"on_graph_break must be 'warn', 'error' or 'ignore', got {self.on_graph_break!r}")
+        if self.recompile_warn_after < 0:
+            raise OptionError(f"recompile_warn_after must be >= 0, got {self.recompile_warn_after}")
         if self.compute not in ("inductor", "eager"):
             raise OptionError(f"compute must be 'inductor' or 'eager', got {self.compute!r}")
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))

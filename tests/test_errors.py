@@ -1,0 +1,146 @@
+"""Every row of docs/errors.md triggers its error (rows whose test lives elsewhere name that test)."""
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import socompile
+from socompile.models import build
+from socompile.plan.planner import PlanError
+from training_helpers import batches, lm_loss
+
+
+def _backend(**options):
+    return socompile.SuperOffload({"compute": "eager", "gpu_buckets": 0, **options})
+
+
+class Broken(nn.Module):
+    """A graph break between two layers; ``share`` also uses the first layer's weight after the break."""
+
+    def __init__(self, share: bool = False):
+        super().__init__()
+        self.a, self.b, self.share = nn.Linear(8, 8), nn.Linear(8, 8), share
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        torch._dynamo.graph_break()   # the break the error must point at
+        h = self.b(h)
+        return self.a(h) if self.share else h
+
+
+def test_graph_break_warns_with_the_source_line_and_advises_fullgraph(caplog):
+    model = Broken()
+    opt = socompile.AdamW(model.parameters())
+    with caplog.at_level(logging.WARNING, logger="socompile"):
+        cmodel = torch.compile(model, backend=_backend())
+        cmodel(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    assert "graph break inside the compiled region" in caplog.text
+    assert "test_errors.py:" in caplog.text and "torch._dynamo.graph_break()" in caplog.text
+    assert "fullgraph=True" in caplog.text
+    assert caplog.text.count("graph break inside") == 1   # once, not once per piece
+
+
+def test_graph_break_is_an_error_when_asked():
+    model = Broken()
+    cmodel = torch.compile(model, backend=_backend(on_graph_break="error"))
+    with pytest.raises(Exception, match=r"graph break inside the compiled region at .*test_errors.py"):
+        cmodel(torch.randn(4, 8))
+
+
+def test_parameter_used_on_both_sides_of_a_graph_break_is_an_error():
+    model = Broken(share=True)
+    opt = socompile.AdamW(model.parameters())
+    cmodel = torch.compile(model, backend=_backend(on_graph_break="ignore"))
+    with pytest.raises(RuntimeError, match="used by two different compiled graphs.*fullgraph=True"):
+        cmodel(torch.randn(4, 8)).sum().backward()
+    del opt
+
+
+def test_recompile_storm_is_detected_and_advises_dynamic(caplog):
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = socompile.AdamW(model.parameters())
+    cmodel = torch.compile(model, backend=_backend(recompile_warn_after=2), dynamic=False)
+    with caplog.at_level(logging.WARNING, logger="socompile"):
+        for n in range(2, 6):   # a new batch size every step, static shapes: a recompile each time
+            cmodel(torch.randn(n, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert caplog.text.count("recompile storm") == 1
+    assert "compiled 3 times" in caplog.text
+    assert "dynamic=True" in caplog.text and "mark_dynamic" in caplog.text
+
+
+def test_infeasible_memory_budget_names_the_minimum_and_the_fix():
+    model = build("tiny", n_layers=1)
+    opt = socompile.AdamW(model.parameters())
+    cmodel = torch.compile(model, backend=_backend(device_memory_budget="1KB"))
+    x, y = batches(1)[0]
+    with pytest.raises(PlanError, match="no plan fits in 0.00 GB of device memory.*raise device_memory_budget"):
+        lm_loss(cmodel(x), y).backward()
+    del opt
+
+
+def test_optimizer_over_other_parameters_than_the_compiled_model_is_reported(caplog):
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    opt = socompile.AdamW(model.parameters())
+    copied = copy.deepcopy(model)   # the optimizer holds the original's parameters, not these
+    with caplog.at_level(logging.WARNING, logger="socompile"):
+        torch.compile(copied, backend=_backend())(torch.randn(2, 8)).sum().backward()
+    assert "4 of 4 parameter(s) have no socompile optimizer" in caplog.text
+    assert "copy.deepcopy" in caplog.text and "Build the optimizer from the parameters" in caplog.text
+    del opt
+
+
+def test_two_optimizers_owning_one_parameter_is_an_error():
+    model = nn.Linear(4, 4)
+    first = socompile.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="already owned by another socompile optimizer"):
+        socompile.AdamW([model.weight])
+    del first
+
+
+def test_two_socompile_optimizers_in_one_graph_is_an_error():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    first, second = socompile.AdamW(model[0].parameters()), socompile.AdamW(model[1].parameters())
+    cmodel = torch.compile(model, backend=_backend())
+    with pytest.raises(Exception, match="several socompile optimizers.*parameter groups"):
+        cmodel(torch.randn(2, 4))
+    del first, second
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_parameters_are_refused_with_the_fix(dtype):
+    model = nn.Linear(4, 4).to(dtype)
+    with pytest.raises(TypeError, match=r"fp32 CPU parameters.*model.float\(\)"):
+        socompile.AdamW(model.parameters())
+
+
+def test_cuda_graphs_mode_is_refused():
+    cmodel = torch.compile(nn.Linear(4, 4), backend="superoffload", mode="reduce-overhead")
+    with pytest.raises(Exception, match="CUDA graphs.*cannot replay host-side optimizer steps"):
+        cmodel(torch.randn(2, 4))
+
+
+def test_bad_on_graph_break_value_is_an_option_error():
+    with pytest.raises(socompile.OptionError, match="on_graph_break must be 'warn', 'error' or 'ignore'"):
+        socompile.Options.resolve({"on_graph_break": "explode"})
+
+
+def test_non_contiguous_parameter_is_supported_and_matches_torch():
+    # Not an error: the bucket stores the parameter contiguously; values, shape and training are unchanged.
+    torch.manual_seed(0)
+    weight = torch.randn(8, 6).t()
+    assert not weight.is_contiguous()
+    mine, ref = nn.Parameter(weight.clone()), nn.Parameter(weight.clone())
+    opt = socompile.AdamW([mine], lr=1e-2)
+    ref_opt = torch.optim.AdamW([ref], lr=1e-2)
+    torch.testing.assert_close(mine.detach(), weight, atol=0, rtol=0)
+    for _ in range(3):
+        for p, o in ((mine, opt), (ref, ref_opt)):
+            (p.sin() * torch.arange(48.0).view(6, 8)).sum().backward()
+            o.step()
+            o.zero_grad()
+    torch.testing.assert_close(mine.detach(), ref.detach(), atol=1e-6, rtol=0)
