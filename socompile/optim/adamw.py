@@ -90,6 +90,9 @@ class AdamW(torch.optim.Optimizer):
                 p._socompile_owner = weakref.ref(self)
                 self._group_index[id(p)] = gi
         self._pool: list[FlatBucket] = []
+        # ZeRO-style data parallelism (socompile.distributed.zero.shard_optimizer sets it): reduce-scatters each
+        # bucket's gradients, makes every rank step only its shard, agrees on validation, all-gathers weights.
+        self._sharding = None
         self._rebuild_pool()
 
     # ----------------------------------------------------------------- layout
@@ -168,6 +171,8 @@ class AdamW(torch.optim.Optimizer):
             bucket.receive(i, grad, accumulate=p.grad is not None)
             p.grad = bucket.view(bucket.grad, i)
         bucket.arrivals += 1
+        if bucket.arrivals == self.grad_accumulation_steps and self._sharding is not None:
+            self._sharding.start_reduce(bucket)   # in graph order: the same order on every rank
         # Only the last micro-batch's gradients are final: earlier ones just accumulate.
         if bucket.arrivals == self.grad_accumulation_steps and may_speculate:
             bucket.pending = self._get_worker().submit(lambda: self._on_bucket_complete(bucket))
@@ -178,6 +183,8 @@ class AdamW(torch.optim.Optimizer):
     def _on_bucket_complete(self, bucket: FlatBucket) -> None:
         """Worker thread: speculate the bucket's step if still worthwhile; always learn its norm partial."""
         start = time.perf_counter()
+        if self._sharding is not None:
+            self._sharding.finish_reduce(bucket)   # this rank's shard of the averaged gradients
         if not self._validating():
             # Nothing to validate: the step taken now is final (in place, as torch would take it).
             self.events.record("step_start", bucket.index)
@@ -230,6 +237,8 @@ class AdamW(torch.optim.Optimizer):
         for bucket in buckets:
             if not bucket.stepped and bucket.speculated is None:
                 bucket.gather_eager_grads()
+        if self._sharding is not None:
+            self._sharding.reduce_remaining(buckets)
         if self._validating():
             self._validate_and_finish(buckets)
         else:
@@ -237,6 +246,8 @@ class AdamW(torch.optim.Optimizer):
                 if not bucket.stepped:
                     self._step_now(bucket, 1.0)
             self._commit(buckets)
+        if self._sharding is not None:
+            self._sharding.gather(buckets, changed=not (self._validating() and self.last_step_skipped))
         for bucket in buckets:
             bucket.reset_iteration()
         self._speculator.begin_step()
@@ -258,6 +269,8 @@ class AdamW(torch.optim.Optimizer):
             if bucket.partial is None:
                 bucket.partial = grad_stats(bucket)
             total, nonfinite = total + bucket.partial[0], nonfinite or bucket.partial[1]
+        if self._sharding is not None:   # partials cover this rank's shards: every rank must decide alike
+            total, nonfinite = self._sharding.global_stats(total, nonfinite)
         norm = math.sqrt(total) if not nonfinite and math.isfinite(total) else float("nan")
         self.last_grad_norm = norm
         speculated = [b for b in buckets if b.speculated]

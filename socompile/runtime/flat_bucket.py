@@ -52,6 +52,7 @@ class FlatBucket:
         self.partial = None        # (sum of squared gradients, any non-finite) of this iteration, once known
         self.rollback_mode = "pingpong"
         self.spare = None          # (master, exp_avg, exp_avg_sq) of the ping-pong spare, allocated on first use
+        self.window = None         # ZeRO: (lo, hi) elements this rank steps; None: the whole bucket
 
     def segment(self, i: int) -> slice:
         return slice(self.offsets[i], self.offsets[i] + self.sizes[i])
@@ -114,6 +115,9 @@ class FlatBucket:
                 out[-1] = (out[-1][0], end, *key)
             else:
                 out.append((start, end, *key))
+        if self.window is not None:   # a data-parallel rank steps (and measures) only its shard
+            lo, hi = self.window
+            out = [(max(s, lo), min(e, hi), *rest) for s, e, *rest in out if min(e, hi) > max(s, lo)]
         return out
 
     def _contiguous(self, prev_end: int, i: int) -> bool:
