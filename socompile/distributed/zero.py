@@ -1,0 +1,176 @@
+"""ZeRO-style data parallelism for socompile.AdamW: each rank owns one shard of every bucket.
+
+    opt = socompile.AdamW(model.parameters(), ..., max_grad_norm=1.0)
+    zero.shard_optimizer(opt, topo.world_group)      # after building opt, before the first step
+
+Per bucket (the optimizer's flat fp32 buffers; padded to a multiple of the world size W because gloo checks
+dim 0 and chunks must be equal)::
+
+    backward: bucket's gradients complete          (socompile::bucket_grads_ready, in graph order)
+      -> reduce_scatter_single(sum)  async        shard r of sum_ranks(grad) lands on rank r
+    CPU worker: wait, divide by W                   (gloo has no PREMUL_SUM/AVG: we divide ourselves)
+      -> stats + (speculative) AdamW step on elements [lo, hi) only   (FlatBucket.window)
+    opt.step(): all_reduce([sum of squares, non-finite])   so every rank validates alike
+      -> commit / skip / redo-with-clip, each on its own shard
+      -> all_gather_single(master[lo:hi])  -> every rank's full fp32 weights (the model aliases them)
+
+NOTE: collective order. gloo (and NCCL) match collectives by issue order, so every collective here is issued
+from the training thread: reduce-scatters in backward-graph order (identical on every rank), the rest in
+``step()`` in bucket order. The CPU worker thread only *waits* on reduce-scatters already issued.
+
+Sharding the world group (dp x sp) is right for Ulysses too: sequence-parallel ranks see different tokens of
+the same sequences, so their gradients must be averaged like data-parallel ones (equal shard sizes).
+
+Not done: the full-size moment buffers are still allocated on every rank (only the shard is read or written:
+the step work and the numerics are sharded, the memory saving is not yet), and ``state_dict`` holds valid
+moments only inside this rank's shards (sharded checkpoints need torch.distributed.checkpoint).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from .faults import guard
+
+
+@dataclasses.dataclass
+class CommStats:
+    """Payload handed to collectives by this rank, and the bytes a bandwidth-optimal (ring) algorithm sends
+    per rank for it: (W-1)/W of the buffer for reduce-scatter and all-gather, 2(W-1)/W for all-reduce."""
+
+    steps: int = 0
+    reduce_scatter_bytes: int = 0      # full (padded) input buffers
+    all_gather_bytes: int = 0          # full (padded) output buffers
+    all_reduce_bytes: int = 0
+    sent_bytes: float = 0.0            # ring estimate, per rank
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class _Shard:
+    lo: int
+    hi: int
+    chunk: int            # elements per rank (padded numel / W)
+    padded: int
+
+
+class ZeroSharding:
+    def __init__(self, group=None):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.stats = CommStats()
+        self._inflight: dict[int, tuple] = {}    # id(bucket) -> (work, received shard, bucket)
+        self._reduced: set[int] = set()          # ids of buckets whose shard holds reduced gradients now
+
+    # ---------------------------------------------------------------- layout
+    def shard_of(self, bucket) -> _Shard:
+        chunk = -(-bucket.numel // self.world)
+        lo = min(self.rank * chunk, bucket.numel)
+        shard = _Shard(lo, min(lo + chunk, bucket.numel), chunk, chunk * self.world)
+        bucket.window = (shard.lo, shard.hi)
+        return shard
+
+    def _ring(self, nbytes: int, factor: float = 1.0) -> float:
+        return factor * nbytes * (self.world - 1) / self.world
+
+    # ------------------------------------------------------------- gradients
+    def start_reduce(self, bucket) -> None:
+        """Issue the bucket's reduce-scatter (async). Training thread only: collectives match by issue order."""
+        if id(bucket) in self._inflight or id(bucket) in self._reduced:
+            return
+        shard = self.shard_of(bucket)
+        send = bucket.grad
+        if shard.padded != bucket.numel:
+            send = torch.zeros(shard.padded, dtype=bucket.grad.dtype)
+            send[:bucket.numel].copy_(bucket.grad)
+        recv = torch.empty(shard.chunk, dtype=bucket.grad.dtype)
+        with guard(f"reduce-scatter of bucket {bucket.index}", self.group):
+            work = dist.reduce_scatter_single(recv, send, op=dist.ReduceOp.SUM, group=self.group, async_op=True) \
+                if hasattr(dist, "reduce_scatter_single") else \
+                dist.reduce_scatter_tensor(recv, send, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        nbytes = send.numel() * send.element_size()
+        self.stats.reduce_scatter_bytes += nbytes
+        self.stats.sent_bytes += self._ring(nbytes)
+        self._inflight[id(bucket)] = (work, recv, bucket)
+
+    def finish_reduce(self, bucket) -> None:
+        """Wait for the bucket's reduce-scatter and put the averaged shard into its gradient buffer. Safe from
+        the CPU worker thread (waits only). Elements outside the shard keep this rank's local gradients."""
+        entry = self._inflight.pop(id(bucket), None)
+        if entry is None:
+            return
+        work, recv, _ = entry
+        with guard(f"reduce-scatter of bucket {bucket.index} (wait)", self.group):
+            work.wait()
+        shard = self.shard_of(bucket)
+        recv.div_(self.world)
+        bucket.grad[shard.lo:shard.hi].copy_(recv[:shard.hi - shard.lo])
+        self._reduced.add(id(bucket))
+
+    def reduce_remaining(self, buckets) -> None:
+        """In step(): reduce buckets whose gradients came from ``.grad`` (eager use), in bucket order."""
+        for bucket in buckets:
+            if any(bucket.has_grad):
+                self.start_reduce(bucket)
+        for bucket in buckets:
+            self.finish_reduce(bucket)
+
+    # ------------------------------------------------------------ validation
+    def global_stats(self, sumsq: float, nonfinite: bool) -> tuple[float, bool]:
+        """Sum the shards' squared-norm partials and OR their non-finite flags over all ranks (float64)."""
+        both = torch.tensor([sumsq if not nonfinite else 0.0, 1.0 if nonfinite else 0.0], dtype=torch.float64)
+        with guard("all-reduce of the gradient norm", self.group):
+            dist.all_reduce(both, op=dist.ReduceOp.SUM, group=self.group)
+        self.stats.all_reduce_bytes += both.numel() * both.element_size()
+        self.stats.sent_bytes += self._ring(both.numel() * both.element_size(), 2.0)
+        return float(both[0]), bool(both[1] > 0)
+
+    # --------------------------------------------------------------- weights
+    def gather(self, buckets, changed: bool = True) -> None:
+        """All-gather every bucket's updated master shard, so each rank has the full new weights."""
+        self.stats.steps += 1
+        self._reduced.clear()
+        if not changed:   # skipped step: no rank changed its shard
+            return
+        for bucket in buckets:
+            if not any(bucket.has_grad):
+                continue
+            shard = self.shard_of(bucket)
+            mine = torch.zeros(shard.chunk, dtype=bucket.master.dtype)
+            mine[:shard.hi - shard.lo].copy_(bucket.master[shard.lo:shard.hi])
+            full = torch.empty(shard.padded, dtype=bucket.master.dtype)
+            with guard(f"all-gather of bucket {bucket.index}", self.group):
+                if hasattr(dist, "all_gather_single"):
+                    dist.all_gather_single(full, mine, group=self.group)
+                else:
+                    dist.all_gather_into_tensor(full, mine, group=self.group)
+            bucket.master.copy_(full[:bucket.numel])
+            nbytes = full.numel() * full.element_size()
+            self.stats.all_gather_bytes += nbytes
+            self.stats.sent_bytes += self._ring(nbytes)
+
+
+@torch.no_grad()
+def shard_optimizer(optimizer, group=None, broadcast_from: int | None = 0) -> ZeroSharding:
+    """Shard ``optimizer`` (a socompile.AdamW) over ``group``: gradients are reduce-scattered and averaged,
+    each rank steps its shard, weights are all-gathered. Parameters are first broadcast from
+    ``broadcast_from`` (group rank) so every rank starts from the same weights (None: trust the caller)."""
+    from ..optim.adamw import AdamW
+
+    if not isinstance(optimizer, AdamW):
+        raise TypeError(f"shard_optimizer needs a socompile.AdamW, got {type(optimizer).__name__}")
+    if optimizer._sharding is not None:
+        raise RuntimeError("this optimizer is already sharded")
+    sharding = ZeroSharding(group)
+    if broadcast_from is not None and sharding.world > 1:
+        source = dist.get_global_rank(group, broadcast_from) if group is not None else broadcast_from
+        with guard("broadcast of the initial weights", group):
+            for bucket in optimizer.buckets:
+                dist.broadcast(bucket.master, src=source, group=group)
+    optimizer._sharding = sharding
+    return sharding
