@@ -127,8 +127,14 @@ def _segments(times: list[float], cuts: list[int]) -> list[tuple[int, int, float
 
 
 def simulate(plan: Plan, costs: GraphCosts, cost: CostModel, schedule: str = "superoffload",
-             cpu_lanes: int | None = None) -> SimResult:
-    """Replay one step of ``plan`` (or the named baseline schedule on the plan's buckets)."""
+             cpu_lanes: int | None = None, speculation: str = "on") -> SimResult:
+    """Replay one step of ``plan`` (or the named baseline schedule on the plan's buckets).
+
+    ``speculation`` (superoffload schedule): "on" - CPU steps start as gradients arrive and validation
+    commits them; "off" - CPU steps wait for validation after backward; "redo" - speculated, then validation
+    clips, so every speculated CPU step is taken again after backward (the worst case of a clipped step)."""
+    if speculation not in ("on", "off", "redo"):
+        raise ValueError(f"speculation must be 'on', 'off' or 'redo', got {speculation!r}")
     hw = cost.hw
     lanes = cpu_lanes or max(1, min(4, hw.host_cores // 16))
     baseline = schedule != "superoffload"
@@ -207,7 +213,7 @@ def simulate(plan: Plan, costs: GraphCosts, cost: CostModel, schedule: str = "su
             deps = [b.add(f"upcast g b{bk.index}", "gpu_aux", cost.gpu_cast_time(bk.numel, native, 4), [ready],
                           "cast")]
         d2h = b.add(f"grads b{bk.index}", "d2h", cost.transfer_time(link_bytes, "d2h"), deps, "transfer", link_bytes)
-        after = [d2h] + ([backward_last] if baseline else [])
+        after = [d2h] + ([backward_last] if baseline or speculation == "off" else [])
         if baseline:   # DeepSpeed's CPU Adam needs fp32 gradients: a separate cast pass first
             after = [b.add(f"cast g b{bk.index}", "cpu", cost.cpu_cast_time(bk.numel, native, 4) * lanes, after,
                            "cast")]
@@ -215,6 +221,10 @@ def simulate(plan: Plan, costs: GraphCosts, cost: CostModel, schedule: str = "su
         writes_copy = (not baseline) and (bk.cast_site == "cpu" or bk.index in flow)
         adam = b.add(f"adam b{bk.index}", "cpu",
                      cost.cpu_adam_time(bk.numel, grad_bytes, writes_copy, adam_scale), after, "adam")
+        if not baseline and speculation == "redo":   # rolled back (free: ping-pong) and stepped again
+            adam = b.add(f"redo adam b{bk.index}", "cpu",
+                         cost.cpu_adam_time(bk.numel, grad_bytes, writes_copy, adam_scale), [adam, backward_last],
+                         "adam")
         if bk.index in flow:
             continue   # weights stay in host memory; next step streams the fresh bf16 copy
         if baseline:
