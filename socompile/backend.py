@@ -162,7 +162,9 @@ def _apply_plan(ctx: CompileContext, bw: fx.GraphModule) -> fx.GraphModule:
         # GPU) only after validation, in opt.step(); CPU-site buckets are stepped as their gradients arrive.
         claim = ctx.optimizer.claim([[by_name[n] for n in b.params] for b in ctx.plan.buckets],
                                     early_step=[b.optimizer_site == "cpu" and ctx.options.speculate
-                                                for b in ctx.plan.buckets])
+                                                for b in ctx.plan.buckets],
+                                    rollback=["inverse" if b.rollback == "inverse" else "pingpong"
+                                              for b in ctx.plan.buckets])
         ctx.claim_handle = claim.handle
         with timed("passes"):
             bw = passes.run_passes(bw, "bw", ctx.plan, ctx)

@@ -132,11 +132,14 @@ class AdamW(torch.optim.Optimizer):
                     self.state[p]["exp_avg_sq"] = bucket.view(bucket.exp_avg_sq, i)
         return made
 
-    def claim(self, param_lists: list[list[nn.Parameter]], early_step: list[bool] | None = None) -> GraphClaim:
+    def claim(self, param_lists: list[list[nn.Parameter]], early_step: list[bool] | None = None,
+              rollback: list[str] | None = None) -> GraphClaim:
         """Lay out the buckets a compiled backward graph feeds (called by the backend at compile time).
         ``early_step[i]``: bucket i may be stepped by the CPU worker as its gradients arrive; otherwise (a
-        device-resident bucket, or speculation turned off) it is stepped in ``step()`` after validation. A recompile of the same graph (same
-        parameters) gets its existing claim back."""
+        device-resident bucket, or speculation turned off) it is stepped in ``step()`` after validation.
+        ``rollback[i]``: the plan's rollback mode of bucket i ("pingpong" or "inverse"); default: the
+        optimizer's ``rollback`` argument. A recompile of the same graph (same parameters) gets its existing
+        claim back."""
         self._wait_pending()
         key = frozenset(id(p) for params in param_lists for p in params)
         if key in self._claims:
@@ -152,6 +155,8 @@ class AdamW(torch.optim.Optimizer):
                 raise ValueError("the compiled graph's parameter is not in this optimizer")
         claim = GraphClaim(self, self._make_buckets(param_lists, indices=list(range(len(param_lists)))),
                            early_step=list(early_step) if early_step is not None else [True] * len(param_lists))
+        for bucket, mode in zip(claim.buckets, rollback or ()):
+            bucket.rollback_mode = mode
         self._claims[key] = claim
         self._rebuild_pool()
         return claim
