@@ -144,3 +144,22 @@ def test_non_contiguous_parameter_is_supported_and_matches_torch():
             o.step()
             o.zero_grad()
     torch.testing.assert_close(mine.detach(), ref.detach(), atol=1e-6, rtol=0)
+
+
+def test_every_row_of_docs_errors_md_names_tests_that_exist():
+    import ast
+    import pathlib
+    import re
+    repo = pathlib.Path(__file__).resolve().parent.parent
+    rows = [line for line in (repo / "docs" / "errors.md").read_text().splitlines()
+            if line.startswith("| ") and not line.startswith(("| symptom", "| ---"))]
+    assert len(rows) >= 15
+    for row in rows:
+        refs, current = [], None
+        for path, name in re.findall(r"`(tests/[\w/]+\.py)?::(\w+)`", row.split(" | ")[-1]):
+            current = path or current
+            refs.append((current, name))
+        assert refs, f"row without a test: {row[:80]}"
+        for path, name in refs:
+            tree = ast.parse((repo / path).read_text())
+            assert name in {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}, (path, name)
