@@ -94,6 +94,18 @@ def test_optimizer_over_other_parameters_than_the_compiled_model_is_reported(cap
     del opt
 
 
+def test_step_without_any_gradient_warns_once_naming_the_likely_cause(caplog):
+    model = nn.Linear(8, 1)
+    opt = socompile.AdamW(model.parameters())
+    copied = copy.deepcopy(model)
+    copied(torch.randn(2, 8)).sum().backward()   # gradients land on the copy, not on opt's parameters
+    with caplog.at_level(logging.WARNING, logger="socompile"):
+        opt.step()
+        opt.step()
+    assert caplog.text.count("none of its 2 parameter(s) has a gradient") == 1
+    assert "Build the optimizer from the trained model's parameters" in caplog.text
+
+
 def test_two_optimizers_owning_one_parameter_is_an_error():
     model = nn.Linear(4, 4)
     first = socompile.AdamW(model.parameters())

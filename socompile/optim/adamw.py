@@ -13,6 +13,7 @@ Used eagerly, ``step()`` takes the gradients from ``.grad`` and steps every buck
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 import weakref
@@ -29,6 +30,8 @@ from ..runtime.events import EventLog
 from ..runtime.flat_bucket import FlatBucket
 from ..runtime.speculation import Speculator, clip_coefficient
 from ..runtime.worker import CPUWorker
+
+log = logging.getLogger("socompile")
 
 
 class GraphClaim:
@@ -93,6 +96,7 @@ class AdamW(torch.optim.Optimizer):
         # ZeRO-style data parallelism (socompile.distributed.zero.shard_optimizer sets it): reduce-scatters each
         # bucket's gradients, makes every rank step only its shard, agrees on validation, all-gathers weights.
         self._sharding = None
+        self._warned_no_grads = False
         self._rebuild_pool()
 
     # ----------------------------------------------------------------- layout
@@ -242,6 +246,12 @@ class AdamW(torch.optim.Optimizer):
         for bucket in buckets:
             if not bucket.stepped and bucket.speculated is None:
                 bucket.gather_eager_grads()
+        if not self._warned_no_grads and not any(any(b.has_grad) for b in buckets):
+            self._warned_no_grads = True  # torch steps nothing silently; say why once, it is usually a bug
+            log.warning("socompile.AdamW.step(): none of its %d parameter(s) has a gradient. Was backward run "
+                        "on a model whose parameters are not this optimizer's (a copy, or a module re-created "
+                        "after the optimizer)? Build the optimizer from the trained model's parameters.",
+                        sum(len(b.params) for b in buckets))
         if self._sharding is not None:
             self._sharding.reduce_remaining(buckets)
         if self._validating():
