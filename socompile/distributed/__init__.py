@@ -6,7 +6,6 @@ See docs/distributed.md. Importing this package does not initialise anything; ``
 from .faults import CollectiveError, PlanMismatchError, check_plan_across_ranks, guard
 from .zero import ZeroSharding, shard_optimizer
 from .mesh import DEFAULT_TIMEOUT_S, Topology, average_gradients, init_distributed, make_topology, shutdown
-from . import plan_check  # noqa: F401  (registers the check_plan_across_ranks pass)
 from .ulysses import SequenceParallelError, gather_sequence, parallelize, shard_sequence
 
 __all__ = ["CollectiveError", "PlanMismatchError", "check_plan_across_ranks", "guard", "DEFAULT_TIMEOUT_S",

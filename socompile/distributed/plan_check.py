@@ -5,9 +5,9 @@ Pattern inserted: none; the graph is returned unchanged::
     all_gather_object(hash(plan JSON fields, options, parameter names))   # once, when backward is compiled
     differ -> PlanMismatchError naming the fields (e.g. options.bucket_size, plan.buckets[3])
 
-It runs only when torch.distributed is initialised with more than one rank. Registered when
-``socompile.distributed`` is imported (which every distributed run does), so disable it by name
-(``disable_passes=["check_plan_across_ranks"]``) only after that import.
+It runs only when torch.distributed is initialised with more than one rank. Registered by
+``init_distributed``/``make_topology``/``shard_optimizer`` (not by importing the package), so it can be
+disabled by name (``disable_passes=["check_plan_across_ranks"]``) only after one of those calls.
 """
 from __future__ import annotations
 

@@ -166,6 +166,9 @@ def shard_optimizer(optimizer, group=None, broadcast_from: int | None = 0) -> Ze
         raise TypeError(f"shard_optimizer needs a socompile.AdamW, got {type(optimizer).__name__}")
     if optimizer._sharding is not None:
         raise RuntimeError("this optimizer is already sharded")
+    from .mesh import register_plan_check
+
+    register_plan_check()   # ranks that shard one optimizer must have planned its buckets alike
     sharding = ZeroSharding(group)
     if broadcast_from is not None and sharding.world > 1:
         source = dist.get_global_rank(group, broadcast_from) if group is not None else broadcast_from
