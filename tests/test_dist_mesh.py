@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import pathlib
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -53,11 +54,11 @@ def _mesh_worker(args: dict) -> dict:
 
 
 def _run(dp, sp):
-    results = run_local(f"{HERE}:_mesh_worker", 2, {"dp": dp, "sp": sp}, timeout_s=60)
+    results = run_local(f"{HERE}:_mesh_worker", dp * sp, {"dp": dp, "sp": sp}, timeout_s=120)
     for r in results:
         assert r.returncode == 0, f"rank {r.rank}:\n{r.output[-3000:]}"
         assert r.result["param_err"] < 1e-5, r.result
-        assert r.result["world_ranks"] == [0, 1]
+        assert r.result["world_ranks"] == list(range(dp * sp))
         assert r.result["mesh_dims"] == ["dp", "sp"] and r.result["mesh_shape"] == [dp, sp]
     return [r.result for r in results]
 
@@ -80,3 +81,12 @@ def test_degrees_that_do_not_match_the_world_are_an_error():
     results = run_local(f"{HERE}:_mesh_worker", 2, {"dp": 2, "sp": 2}, timeout_s=60)
     assert all(r.returncode != 0 for r in results)
     assert "dp * sp = 2 * 2 = 4, but 2 processes were launched" in results[0].output
+
+
+@pytest.mark.slow
+def test_dp2_sp2_on_four_ranks_trains_like_one_process():
+    # 4 processes on 2 cores: slow. Ranks (0, 1) and (2, 3) share sequences; (0, 2) and (1, 3) share shards.
+    results = _run(dp=2, sp=2)
+    assert [r["sp_ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["dp_ranks"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [r["coords"] for r in results] == [[0, 0], [0, 1], [1, 0], [1, 1]]

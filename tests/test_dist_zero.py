@@ -1,6 +1,7 @@
-"""ZeRO-style data parallelism: 2 gloo ranks, each with half of the global batch, train exactly like one
-process on the global batch: clipping (max_grad_norm) on, and a NaN injected at one step, which every rank
-must skip (the non-finite flag is all-reduced, so a NaN in one rank's shard stops both).
+"""ZeRO-style data parallelism: 2 (or 3) gloo ranks, each with its part of the global batch (rows, or with
+Ulysses half of every sequence), train exactly like one process on the global batch: clipping
+(max_grad_norm) on, and a NaN injected at one step, which every rank must skip (the non-finite flag is
+all-reduced, so a NaN in one rank's shard stops all of them).
 
 Tolerance: reduce-scatter sums the two ranks' fp32 gradients in a different order than one backward over the
 whole batch (~1e-7 relative), and Adam's m / sqrt(v) amplifies that where a gradient is tiny (measured: up to
@@ -30,10 +31,11 @@ def _zero_worker(args: dict) -> dict:
     import socompile.distributed as sd
     from socompile.models import build
 
-    topo = sd.init_distributed(timeout_s=60)
+    topo = sd.init_distributed(sp=args.get("sp", 1), timeout_s=60)
     torch.manual_seed(0)
     model = build("tiny", n_layers=args.get("layers", 1))
     ref = copy.deepcopy(model)
+    sd.parallelize(model, topo.sp_group)
     hyper = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     opt = socompile.AdamW(model.parameters(), max_grad_norm=args["clip"], bucket_size="40KB", **hyper)
     sharding = sd.shard_optimizer(opt, topo.world_group)
@@ -48,7 +50,8 @@ def _zero_worker(args: dict) -> dict:
         tokens = torch.randint(0, 256, (2 * topo.dp, 33), generator=gen)   # 2 rows per rank
         x, y = tokens[:, :-1], tokens[:, 1:]
         mine = slice(2 * topo.dp_rank, 2 * topo.dp_rank + 2)
-        loss = F.cross_entropy(run(x[mine]).flatten(0, 1), y[mine].flatten())
+        xs, ys = (sd.shard_sequence(t[mine], topo.sp_group) for t in (x, y))
+        loss = F.cross_entropy(run(xs).flatten(0, 1), ys.flatten())
         nan_here = step == NAN_STEP and topo.rank == 1
         if nan_here and args["nan"] == "loss":
             loss = loss * float("nan")                     # every gradient of rank 1 becomes NaN
@@ -90,8 +93,8 @@ def _check(args, nprocs=2):
             assert (math.isnan(ours) and math.isnan(theirs)) or abs(ours - theirs) <= 1e-5 * theirs, (ours, theirs)
         assert r["skipped"] == [s == NAN_STEP for s in range(args["steps"])], r["skipped"]
     assert all(r.result["digest"] == r0["digest"] for r in results), "ranks must hold bitwise identical weights"
-    assert r0["norms"][:NAN_STEP] == r1["norms"][:NAN_STEP], "every rank must see the same global norm"
     assert r0["windows"] != r1["windows"], "each rank steps a different shard"
+    assert r0["norms"][:NAN_STEP] == r1["norms"][:NAN_STEP], "every rank must see the same global norm"
     return r0, r1
 
 
@@ -141,3 +144,8 @@ def test_ranks_compiled_with_different_options_fail_at_compile_time_naming_the_o
         assert error and "ranks compiled different plans" in error, error
         assert "options.bucket_size (rank 0: 40000, rank 1: 20000)" in error
         assert "plan.bucket_size (rank 0: 40000, rank 1: 20000)" in error
+
+
+def test_sp2_with_sharded_optimizer_equals_one_process():
+    # Ulysses over 2 ranks (each: half of every sequence) + ZeRO over the same 2 ranks.
+    _check({"compile": False, "clip": 0.5, "nan": "element", "steps": 10, "sp": 2})
