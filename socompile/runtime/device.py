@@ -1,0 +1,252 @@
+"""Streams, events, host buffers and asynchronous copies, on CUDA and on a CPU-only build, behind one interface.
+
+    rt = device_runtime("auto")             # CUDA when torch has it, else the CPU stand-in
+    h2d = rt.stream("h2d")
+    dst = rt.empty(n, torch.float32)        # "device" memory (on the CPU build: a separate host buffer)
+    done = rt.copy_async(dst, src, h2d)     # returns an Event
+    rt.wait_on_compute(done)                # the compute stream waits for the copy (no host block on CUDA)
+    done.synchronize()                      # a host thread (e.g. the CPU optimizer worker) waits for this event only
+
+CUDA: ``torch.cuda.Stream``/``Event``, pinned host buffers, ``non_blocking`` copies, and ``record_stream`` on every
+device tensor a side stream touches, so the caching allocator does not hand its memory to another tensor
+before that stream is done with it. A host thread waits on a CUDA *event* (``cudaEventSynchronize``), never on a
+whole stream, so it is blocked only by the work it depends on.
+
+CPU: each stream is a single-thread executor (work on one stream runs in submission order, streams run
+concurrently); an event is a future. ``wait_on_compute`` blocks the caller, because on the CPU build the caller's
+thread is the compute stream.
+
+NOTE: torch.cuda on a CPU build. ``torch.cuda.Stream()``, ``pin_memory()``, ``record_stream`` and
+``torch.Event("cpu").record()`` raise on a CPU build; only ``torch.cuda.is_available()`` and ``device_count()``
+are safe. Every other torch.cuda call lives in ``_TorchCuda``, built only after ``is_available()`` said yes, so
+the CUDA runtime's own logic is tested on the CPU with a stand-in for that class (tests/test_runtime_device.py).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from typing import Callable
+
+import torch
+
+
+class Event:
+    """Completion of work queued on a stream. ``query()`` never blocks; ``synchronize()`` blocks the calling
+    host thread until this event (and only it) has completed."""
+
+    def query(self) -> bool:
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        raise NotImplementedError
+
+
+class Stream:
+    name: str
+
+    def submit(self, fn: Callable[[], object]) -> Event:
+        """Queue ``fn`` on this stream (after everything queued before it) and return its completion event."""
+        raise NotImplementedError
+
+    def wait_event(self, event: Event) -> None:
+        """Work queued on this stream from now on starts only after ``event``; the caller does not block."""
+        raise NotImplementedError
+
+
+class DeviceRuntime:
+    kind: str                 # "cpu" or "cuda"
+    device: torch.device
+
+    def stream(self, name: str) -> Stream:
+        raise NotImplementedError
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat tensor in device memory."""
+        raise NotImplementedError
+
+    def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat host tensor that asynchronous copies may read or write (pinned on CUDA)."""
+        raise NotImplementedError
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> Event:
+        """``dst.copy_(src)`` (converting the dtype if they differ) on ``stream``; returns its event."""
+        raise NotImplementedError
+
+    def wait_on_compute(self, event: Event) -> None:
+        """Make the compute stream (the one running the compiled graph) wait for ``event``."""
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------------- CPU
+class CPUEvent(Event):
+    def __init__(self, future: concurrent.futures.Future):
+        self.future = future
+
+    def query(self) -> bool:
+        return self.future.done()
+
+    def synchronize(self) -> None:
+        self.future.result()     # re-raises the work's exception in the waiting thread
+
+
+class CPUStream(Stream):
+    """One worker thread: work runs in submission order; different streams overlap."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"socompile-{name}")
+
+    def submit(self, fn: Callable[[], object]) -> CPUEvent:
+        return CPUEvent(self._pool.submit(fn))
+
+    def wait_event(self, event: Event) -> None:
+        self._pool.submit(event.synchronize)   # the stream's thread blocks, not the caller
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class CPURuntime(DeviceRuntime):
+    """The "device" is the CPU: device tensors are separate host buffers, copies are real copies."""
+
+    kind = "cpu"
+
+    def __init__(self):
+        self.device = torch.device("cpu")
+        self._streams: dict[str, CPUStream] = {}
+        self._lock = threading.Lock()
+
+    def stream(self, name: str) -> CPUStream:
+        with self._lock:
+            if name not in self._streams:
+                self._streams[name] = CPUStream(name)
+            return self._streams[name]
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> Event:
+        return stream.submit(lambda: dst.copy_(src))
+
+    def wait_on_compute(self, event: Event) -> None:
+        event.synchronize()      # the calling thread *is* the compute stream here
+
+    def shutdown(self) -> None:
+        for s in self._streams.values():
+            s.shutdown()
+
+
+# --------------------------------------------------------------------------------------------------- CUDA
+class _TorchCuda:
+    """The only place that calls torch.cuda beyond is_available(); constructed only when CUDA is available."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def new_stream(self):
+        return torch.cuda.Stream(device=self.device)
+
+    def new_event(self):
+        return torch.cuda.Event()
+
+    def current_stream(self):
+        return torch.cuda.current_stream(self.device)
+
+    def use_stream(self, stream):
+        return torch.cuda.stream(stream)
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        tensor.record_stream(stream)
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def pinned(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+
+class CUDAEvent(Event):
+    def __init__(self, event):
+        self.event = event
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def synchronize(self) -> None:
+        self.event.synchronize()      # cudaEventSynchronize: this event only, never a whole stream
+
+
+class CUDAStream(Stream):
+    def __init__(self, name: str, api: _TorchCuda):
+        self.name = name
+        self.api = api
+        self.stream = api.new_stream()
+
+    def submit(self, fn: Callable[[], object]) -> CUDAEvent:
+        with self.api.use_stream(self.stream):
+            fn()
+            event = self.api.new_event()
+            event.record(self.stream)
+        return CUDAEvent(event)
+
+    def wait_event(self, event: Event) -> None:
+        self.stream.wait_event(event.event)
+
+
+class CUDARuntime(DeviceRuntime):
+    kind = "cuda"
+
+    def __init__(self, device: torch.device | str = "cuda", api: _TorchCuda | None = None):
+        self.device = torch.device(device)
+        self.api = api if api is not None else _TorchCuda(self.device)
+        self._streams: dict[str, CUDAStream] = {}
+
+    def stream(self, name: str) -> CUDAStream:
+        if name not in self._streams:
+            self._streams[name] = CUDAStream(name, self.api)
+        return self._streams[name]
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.api.empty(numel, dtype)
+
+    def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.api.pinned(numel, dtype)
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: CUDAStream) -> CUDAEvent:
+        # The side stream must first see everything the compute stream did to these tensors (e.g. the step
+        # that wrote the weights, or the allocation of dst).
+        stream.stream.wait_stream(self.api.current_stream())
+
+        def copy():
+            dst.copy_(src, non_blocking=True)
+            for t in (dst, src):
+                if t.device.type == "cuda":
+                    # Allocated on the compute stream, used on this one: the allocator must not reuse it
+                    # before this stream's copy has finished.
+                    self.api.record_stream(t, stream.stream)
+        return stream.submit(copy)
+
+    def wait_on_compute(self, event: CUDAEvent) -> None:
+        self.api.current_stream().wait_event(event.event)
+
+
+def device_runtime(device: str | torch.device = "auto") -> DeviceRuntime:
+    """The runtime for ``device``: "auto" picks CUDA when this torch has a usable GPU, else the CPU stand-in."""
+    name = str(device)
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    kind = torch.device(name).type
+    if kind == "cpu":
+        return CPURuntime()
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"socompile: device {name!r} asked for, but this torch has no usable CUDA "
+                               f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}); use 'cpu' or 'auto'")
+        return CUDARuntime(name)
+    raise ValueError(f"socompile runtime supports 'cpu', 'cuda[:N]' or 'auto', got {name!r}")

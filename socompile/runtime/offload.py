@@ -1,0 +1,92 @@
+"""The offload runtime of one compiled graph pair: fetches flow buckets' weights to the device, books every
+device byte it holds, and records what it did when (for tests and the timeline in docs/runtime.md).
+
+The weight-flow ops (ops/offload_ops.py) call into it by handle:
+
+    prefetch(phase, b)   allocate b's device buffer (booked), queue the host->device copy on the "h2d" stream
+    wait(phase, b)       the compute stream waits for that copy's event; the buffer is handed to the graph
+    release(phase, b)    un-book it; the graph drops its last reference right after its last use
+
+On the CPU build the device buffer is a separate host tensor and the copy a real copy on the h2d stream's own
+thread, so the bytes booked here are bytes really allocated, and a flow bucket really costs no device memory
+between its release and its next fetch.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from . import handles
+from .device import DeviceRuntime
+from .events import EventLog
+from .memory import DeviceLedger
+
+FLOW = "weight-flow buffers"
+PHASE_NAMES = {"fw": "forward", "bw": "backward"}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class OffloadRuntime:
+    def __init__(self, plan, buckets, device: DeviceRuntime, events: EventLog | None = None):
+        self.plan = plan
+        self.buckets = buckets                  # FlatBuckets of the optimizer's claim, by plan index
+        self.device = device
+        self.h2d = device.stream("h2d")
+        self.ledger = DeviceLedger()
+        self.events = events if events is not None else EventLog()
+        self._inflight: dict[tuple[str, int], tuple[torch.Tensor, object]] = {}
+        self.fetched: list[weakref.ref] = []    # weak references to every buffer handed out (tests: none leak)
+        self.fetch_counts: dict[tuple[str, int], int] = {}
+        self.link_dtype = {b.index: _DTYPES[b.param_link_dtype] for b in plan.buckets if b.weight_mode == "flow"}
+        weight_bytes = plan.prediction("param_dtype_bytes", 4)
+        for b, flat in zip(plan.buckets, buckets):
+            if b.optimizer_site == "device":
+                # fp32 master, gradient and Adam moments on the device (on the CPU build: the bucket's buffers)
+                self.ledger.alloc("GPU optimizer state", b.index, 4 * sum(
+                    t.numel() for t in (flat.master, flat.grad, flat.exp_avg, flat.exp_avg_sq)))
+            elif b.weight_mode == "stationary":
+                self.ledger.alloc("stationary weights", b.index, flat.master.numel() * weight_bytes)
+        self.handle = handles.register(self)
+
+    def numel(self, bucket: int) -> int:
+        return self.buckets[bucket].master.numel()
+
+    def prefetch(self, phase: str, bucket: int) -> None:
+        key = (phase, bucket)
+        if key in self._inflight:
+            raise RuntimeError(f"socompile: bucket {bucket} prefetched twice in {PHASE_NAMES[phase]} without a wait")
+        self.ledger.set_phase(PHASE_NAMES[phase])
+        flat = self.buckets[bucket]
+        dtype = self.link_dtype[bucket]
+        dst = self.device.empty(flat.master.numel(), dtype)
+        self.ledger.alloc(FLOW, key, dst.numel() * dst.element_size())
+        src = flat.master     # read now: a ping-pong commit re-points master, never during a graph
+        self.events.record(f"{phase}_prefetch", bucket)
+
+        def copy():
+            self.events.record("h2d_start", bucket)
+            dst.copy_(src)    # converts to the link dtype when the CPU casts (cast_site="cpu")
+            self.events.record("h2d_end", bucket)
+        done = self.h2d.submit(copy) if self.device.kind == "cpu" else self.device.copy_async(dst, src, self.h2d)
+        self._inflight[key] = (dst, done)
+        self.fetch_counts[key] = self.fetch_counts.get(key, 0) + 1
+
+    def wait(self, phase: str, bucket: int) -> torch.Tensor:
+        entry = self._inflight.pop((phase, bucket), None)
+        if entry is None:
+            raise RuntimeError(f"socompile: {PHASE_NAMES[phase]} waits for bucket {bucket}, which was not "
+                               f"prefetched (a missing socompile.prefetch node; run plan.verify.check_graphs)")
+        dst, done = entry
+        self.device.wait_on_compute(done)
+        self.events.record(f"{phase}_wait", bucket)
+        self.fetched.append(weakref.ref(dst))
+        return dst            # the graph owns it from here; the runtime keeps no reference
+
+    def release(self, phase: str, bucket: int) -> None:
+        self.ledger.free(FLOW, (phase, bucket))
+        self.events.record(f"{phase}_release", bucket)
+
+    def live_fetched(self) -> int:
+        """Fetched buffers still alive (held by anything: a saved view, a graph output)."""
+        return sum(1 for r in self.fetched if r() is not None)
