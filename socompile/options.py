@@ -62,6 +62,21 @@ class Options:
     """On a graph break inside the compiled region: 'warn' (log where, with the source line), 'error', 'ignore'."""
     recompile_warn_after: int = 4
     """Warn once when the same code has been recompiled this many times (a recompile storm); 0 turns it off."""
+    weight_mode: str = "planned"
+    """Where weights live: 'planned' (the planner streams only what must, to fit the budget), 'stationary' (every
+    bucket's weights stay on the device), 'flow' (every CPU-stepped bucket's weights are fetched before each use
+    and released after, in forward and again in backward), or 'flow:0,3' (exactly buckets 0 and 3 flow).
+    Buckets stepped on the device never flow: their fp32 master lives there."""
+    prefetch_distance: int | None = None
+    """Pin every flow bucket's prefetch distance: fetch it when the flow bucket this many places earlier is
+    first used (0: at its own first use, the transfer is not hidden). None: the planner's choice."""
+    cast_site: str | None = None
+    """Pin where weights are cast between the fp32 master and what crosses the link: 'device' (fp32 crosses,
+    the device casts to the compute dtype) or 'cpu' (the CPU casts to bfloat16, bfloat16 crosses; an fp32 model
+    then computes with bf16-rounded streamed weights). None: the planner's choice from the bandwidths."""
+    grad_link_dtype: str | None = None
+    """Pin the precision of gradients crossing the link to the CPU: 'float32' or 'bfloat16' (cast on the device,
+    before the copy; the CPU optimizer accumulates in fp32). None: the model's own dtype."""
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(Options)
@@ -79,6 +94,16 @@ class Options:
             raise OptionError(f"recompile_warn_after must be >= 0, got {self.recompile_warn_after}")
         if self.compute not in ("inductor", "eager"):
             raise OptionError(f"compute must be 'inductor' or 'eager', got {self.compute!r}")
+        if not (self.weight_mode in ("planned", "stationary", "flow") or re.fullmatch(r"flow:\d+(,\d+)*",
+                                                                                         self.weight_mode)):
+            raise OptionError(f"weight_mode must be 'planned', 'stationary', 'flow' or 'flow:<i>,<j>,...' (bucket "
+                              f"indices), got {self.weight_mode!r}")
+        if self.prefetch_distance is not None and self.prefetch_distance < 0:
+            raise OptionError(f"prefetch_distance must be >= 0 or None, got {self.prefetch_distance}")
+        if self.cast_site not in (None, "device", "cpu"):
+            raise OptionError(f"cast_site must be 'device', 'cpu' or None, got {self.cast_site!r}")
+        if self.grad_link_dtype not in (None, "float32", "bfloat16"):
+            raise OptionError(f"grad_link_dtype must be 'float32', 'bfloat16' or None, got {self.grad_link_dtype!r}")
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
         if self.disable_passes:
             from .passes import known_pass_names

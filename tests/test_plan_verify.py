@@ -64,20 +64,29 @@ def test_an_unknown_optimizer_site_is_rejected_as_never_stepped(made):
 
 def test_a_flow_bucket_without_prefetch_is_rejected(made):
     ir, d = made
-    bad = dataclasses.replace(d.plan.buckets[0], weight_mode="flow", prefetch_distance=0)
+    # Distance 0 is valid (fetched at its first use, the transfer exposed); a negative one is not.
+    bad = dataclasses.replace(d.plan.buckets[0], weight_mode="flow", prefetch_distance=-1)
     with pytest.raises(PlanInvariantError, match="would not be present at first use"):
         verify(_with_buckets(d.plan, [bad, *d.plan.buckets[1:]]), ir)
 
 
-def test_a_flow_buffer_reused_before_its_last_use_is_rejected(made):
+def test_a_flow_bucket_used_at_both_ends_of_the_forward_stays_fetched_in_between(made):
     ir, d = made
-    # One streamed bucket holds a first-layer and a last-layer weight, so it is still needed at the end of the
-    # forward while, at distance 1, its buffer is handed to the next streamed bucket.
+    # One streamed bucket holds a first-layer and a last-layer weight. The runtime gives every fetch its own
+    # buffer (no ring to overrun), so the plan is valid and the schedule keeps that bucket live throughout.
+    from socompile.plan.flow_schedule import flow_schedule
     buckets = [dataclasses.replace(b, weight_mode="flow", prefetch_distance=1) for b in d.plan.buckets]
     first, last = buckets[-2], buckets[2]
     merged = dataclasses.replace(first, params=first.params + last.params, numel=first.numel + last.numel)
-    problems = check(_with_buckets(d.plan, [b for b in buckets if b not in (first, last)] + [merged]), ir)
-    assert any("released" in m and "before its last use" in m for m in problems)
+    kept = [b for b in buckets if b not in (first, last)] + [merged]
+    kept = [dataclasses.replace(b, index=i) for i, b in enumerate(kept)]
+    plan = _with_buckets(d.plan, kept)
+    assert not [m for m in check(plan, ir) if "flow" in m or "prefetch" in m]
+    fw = flow_schedule(plan, ir)["fw"]
+    merged_index = kept[-1].index
+    fetched = next(i for i, a in enumerate(fw) if a.kind == "wait" and a.bucket == merged_index)
+    released = next(i for i, a in enumerate(fw) if a.kind == "release" and a.bucket == merged_index)
+    assert sum(a.kind == "prefetch" for a in fw[fetched:released]) >= 2   # others come and go meanwhile
 
 
 def test_a_predicted_peak_over_budget_is_rejected(made):

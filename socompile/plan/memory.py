@@ -5,7 +5,7 @@ Device (per step, at the activation peak):
   + weights of stationary buckets       (numel * weight bytes; plus parameters without a socompile optimizer)
   + GPU-resident optimizer state        (fp32 master + m + v = 12 B/param, + the gradient kept to validation)
   + gradient staging for CPU buckets    (2 buckets: one being filled, one on the link)
-  + weight-flow buffers                 ((max prefetch distance + 1) * largest flow bucket, bf16)
+  + weight-flow buffers                 ((max prefetch distance + 1) * largest flow bucket, in its link dtype)
   + upload staging for device casts     (2 * largest stationary CPU bucket, fp32)
 Host:
   per CPU bucket: master + m + v (12 B/param), ping-pong copies for exact rollback (+12), the gradient landing
@@ -42,8 +42,8 @@ def device_memory(buckets: list[BucketPlan], weight_bytes: int, activations: flo
     cpu = [b for b in buckets if b.optimizer_site == "cpu"]
     flow = [b for b in buckets if b.weight_mode == "flow"]
     staging = 2 * max((b.numel * max(weight_bytes, _bytes(b.link_dtype)) for b in cpu), default=0)
-    flow_buffers = (max((b.prefetch_distance for b in flow), default=0) + 1) * max((b.numel for b in flow),
-                                                                                     default=0) * 2 if flow else 0
+    flow_buffers = (max((b.prefetch_distance for b in flow), default=0) + 1) * max(
+        (b.numel * _bytes(b.param_link_dtype) for b in flow), default=0) if flow else 0
     upload = 2 * max((b.numel * 4 for b in cpu if b.weight_mode == "stationary" and b.cast_site == "device"
                       and weight_bytes == 2), default=0)
     parts = (("activations", activations), ("stationary weights", stationary * weight_bytes),
@@ -74,3 +74,36 @@ def host_memory(buckets: list[BucketPlan], weight_bytes: int) -> tuple[int, int,
              ("gradient landing buffers", landing), ("bf16 weight copies", copies))
     pinned = landing + copies + master_pinned
     return sum(v for _, v in parts), pinned, parts
+
+
+def padded_numel(numels, align: int) -> int:
+    """Elements of a flat bucket laid out as runtime/flat_bucket.py does: each segment starts at a multiple
+    of ``align`` elements."""
+    return sum((n + align - 1) // align * align for n in numels)
+
+
+def runtime_device_bytes(plan, ir, align: int | None = None) -> dict:
+    """The device bytes the runtime itself holds (runtime/memory.py books the same tensors): weights of
+    stationary buckets, fp32 master + gradient + Adam moments of device-site buckets, and the flow buffers of
+    flow buckets, live from prefetch to release (the exact schedule of plan/flow_schedule.py). Activations
+    and graph temporaries are not the runtime's. Returns {"peak", "fixed", "flow_peak", "flow_phase_peak",
+    "parts"}."""
+    from ..runtime.flat_bucket import ALIGN
+    from .flow_schedule import flow_peak, flow_schedule
+    align = ALIGN if align is None else align
+    weight_bytes = plan.prediction("param_dtype_bytes", 4)
+    stationary = state = 0
+    flow_bytes = {}
+    for b in plan.buckets:
+        n = padded_numel([ir.params[p].numel for p in b.params], align)
+        if b.optimizer_site == "device":
+            state += 16 * n          # fp32 master, gradient, exp_avg, exp_avg_sq
+        if b.weight_mode == "flow":
+            flow_bytes[b.index] = n * _bytes(b.param_link_dtype)
+        elif b.optimizer_site != "device":
+            stationary += n * weight_bytes   # a device-site bucket's weights are its fp32 master, counted above
+    peak, per_phase = flow_peak(flow_schedule(plan, ir), flow_bytes)
+    fixed = stationary + state
+    return {"peak": fixed + peak, "fixed": fixed, "flow_peak": peak, "flow_phase_peak": per_phase,
+            "parts": (("stationary weights", stationary), ("GPU optimizer state", state),
+                      ("weight-flow buffers", peak))}

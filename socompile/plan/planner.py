@@ -127,6 +127,15 @@ def plan_with_details(ir: IR, hw: HardwareProfile, options: Options,
 
     best = _choose_gpu_buckets(ctx, base, recompute, decisions)
     buckets, memory, sim = best
+    pinned = _apply_pins(ctx, buckets, decisions)
+    if pinned != buckets:
+        buckets, memory = pinned, _device(ctx, pinned)
+        sim = simulate(_plan_of(ctx, buckets, recompute, ()), costs, cost)
+        if memory.device_peak > budget:
+            raise PlanError(f"the pinned weight placement (weight_mode={options.weight_mode!r}, prefetch_distance="
+                            f"{options.prefetch_distance}) needs {memory.device_peak / GB:.2f} GB of device memory, "
+                            f"over the budget of {budget / GB:.2f} GB; stream more buckets (weight_mode='flow') or "
+                            f"leave weight_mode='planned'")
     buckets, host_total, host_pinned, host_parts = _rollback_modes(ctx, buckets, decisions)
     names = ctx.ir.symbol_names
     zero = simulate(_plan_of(ctx, buckets, recompute, ()), costs, cost, "zero-offload")
@@ -372,6 +381,42 @@ def _choose_gpu_buckets(ctx: _Context, base, recompute: str, decisions: list[str
         decisions.append(f"weight flow: {flows} bucket(s) streamed from host memory to fit "
                          f"{ctx.budget / GB:.1f} GB (compute-heavy buckets first, so transfers hide)")
     return results[best_k]
+
+
+def _apply_pins(ctx: _Context, buckets, decisions: list[str]):
+    """Options that pin per-bucket decisions (tests and experiments force plan shapes through these)."""
+    opts = ctx.options
+    mode = opts.weight_mode
+    out = list(buckets)
+    if mode != "planned":
+        if mode.startswith("flow:"):
+            wanted = {int(i) for i in mode[len("flow:"):].split(",")}
+            bad = sorted(i for i in wanted if i >= len(out) or out[i].optimizer_site == "device")
+            if bad:
+                raise PlanError(f"weight_mode={mode!r} names bucket(s) {bad}, which do not exist or are stepped on "
+                                f"the device (their master weights live there, nothing to stream); the plan has "
+                                f"{len(out)} bucket(s), {sum(b.optimizer_site == 'device' for b in out)} on the device")
+        else:
+            wanted = {b.index for b in out if b.optimizer_site == "cpu"} if mode == "flow" else set()
+        stationary = [dataclasses.replace(b, weight_mode="stationary", prefetch_distance=0) for b in out]
+        out = _apply_flow(ctx, stationary, wanted, _prefetch_distances(ctx, out, wanted)) if wanted else stationary
+        decisions.append(f"weight placement pinned by options.weight_mode={mode!r}: "
+                         f"{len(wanted)} of {len(out)} bucket(s) flow")
+    if opts.prefetch_distance is not None:
+        out = [dataclasses.replace(b, prefetch_distance=opts.prefetch_distance) if b.weight_mode == "flow" else b
+               for b in out]
+        decisions.append(f"prefetch distance pinned to {opts.prefetch_distance} by options.prefetch_distance")
+    if opts.cast_site is not None:
+        link = "bfloat16" if opts.cast_site == "cpu" else "float32"
+        out = [dataclasses.replace(b, cast_site=opts.cast_site, param_link_dtype=link,
+                                   cast_reason=f"pinned by options.cast_site={opts.cast_site!r}")
+               if b.optimizer_site == "cpu" else b for b in out]
+        decisions.append(f"casts pinned to the {opts.cast_site} by options.cast_site: weights cross as {link}")
+    if opts.grad_link_dtype is not None:
+        out = [dataclasses.replace(b, link_dtype=opts.grad_link_dtype) if b.optimizer_site == "cpu" else b
+               for b in out]
+        decisions.append(f"gradients cross the link as {opts.grad_link_dtype} (options.grad_link_dtype)")
+    return out
 
 
 def _rollback_modes(ctx: _Context, buckets, decisions: list[str]):

@@ -4,8 +4,10 @@ Checked, each with a message naming the bucket, parameter or number at fault:
 - every bucket is stepped exactly once (unique indices 0..N-1, one site each, one optimizer task in the replay);
 - every gradient lands in exactly one bucket (optimized parameters with a gradient == union of bucket params);
 - each bucket's ``ready_after`` comes after all its gradients and after every backward read of its weights;
-- every weight-flow bucket is present before each use (its prefetch ends before the compute that reads it,
-  forward and backward) and is released only after its last use (its buffer is not reused before then);
+- every weight-flow bucket is present before each use (fetched, then waited for, before the compute that reads
+  it, forward and backward) and is released only after its last use (plan/flow_schedule.py);
+- on the rewritten graphs (``check_graphs``): the flow nodes the passes inserted are all there and in order,
+  no compute reads an offloaded weight from the host, each bucket is handed to its optimizer once;
 - predicted peaks are within budget (device memory, host memory).
 """
 from __future__ import annotations
@@ -112,32 +114,114 @@ def _ready_points(plan: Plan, ir: IR) -> list[str]:
 
 
 def _flow_lifetimes(plan: Plan, ir: IR) -> list[str]:
-    """A flow bucket's buffer is reused by the transfer ``d + 1`` flow uses later (d = the prefetch distance of
-    that later bucket): the bucket must have finished all its uses before the next flow bucket's first use
-    that gates the reuse."""
+    """Each flow bucket is fetched into its own device buffer, waited for before its first use and released
+    after its last use, per phase (plan/flow_schedule.py; the runtime allocates one buffer per fetch, so no
+    buffer can be handed to another bucket while still in use). Checked here: the distance is valid, only
+    CPU-stepped buckets flow, and the schedule orders prefetch <= wait <= first use <= last use < release."""
+    from .flow_schedule import flow_schedule
     out = []
-    for phase, readers in (("forward", ir.fw_readers), ("backward", ir.bw_readers)):
-        order = {k: ir.graph.nodes[k]["order"] for ks in readers.values() for k in ks}
-        spans = []
-        for b in plan.buckets:
-            if b.weight_mode != "flow":
+    for b in plan.buckets:
+        if b.weight_mode != "flow":
+            continue
+        if b.prefetch_distance < 0:
+            out.append(f"bucket {b.index} flows but has prefetch distance {b.prefetch_distance}: its weights "
+                       f"would not be present at first use")
+        if b.optimizer_site == "device":
+            out.append(f"bucket {b.index} is stepped on the device but flows: its master weights live on the "
+                       f"device, there is nothing to stream")
+    if out:
+        return out
+    for phase, actions in flow_schedule(plan, ir).items():
+        seen: dict[int, list[str]] = {}
+        for a in actions:
+            seen.setdefault(a.bucket, []).append(a.kind)
+        for bucket, kinds in seen.items():
+            if kinds != ["prefetch", "wait", "release"]:
+                out.append(f"{phase}: flow bucket {bucket} is scheduled {kinds}, not prefetch, wait, release")
+    return out
+
+
+def check_graphs(plan: Plan, ir: IR, fw, bw, disabled=()) -> list[str]:
+    """Invariants on the rewritten graphs that will run (as opposed to the plan): every flow bucket has one
+    prefetch, before its one wait, and one release after every read of its fetched weights; no compute reads a
+    flow parameter's placeholder (the host master) instead of its fetched copy; every bucket is handed to its
+    optimizer by exactly one node. Each message names the node (or the missing node) at fault."""
+    import torch
+
+    from .flow_schedule import flow_schedule
+    ops = torch.ops.socompile
+    out: list[str] = []
+    schedule = flow_schedule(plan, ir)
+    flow_params = {p: b.index for b in plan.buckets if b.weight_mode == "flow" for p in b.params}
+    for phase, gm, pass_name in (("fw", fw, "weight_flow_forward"), ("bw", bw, "weight_flow_backward")):
+        if gm is None or pass_name in disabled:
+            continue
+        label = "forward" if phase == "fw" else "backward"
+        nodes = list(gm.graph.nodes)
+        pos = {n: i for i, n in enumerate(nodes)}
+        found: dict[str, dict[int, list]] = {"prefetch": {}, "wait": {}, "release": {}}
+        for n in nodes:
+            for kind, op in (("prefetch", ops.prefetch.default), ("wait", ops.wait_weights.default),
+                             ("release", ops.release.default)):
+                if n.target is op:
+                    found[kind].setdefault(n.args[2], []).append(n)
+        for bucket in sorted({a.bucket for a in schedule[phase]}):
+            pre, wait, rel = (found[k].get(bucket, []) for k in ("prefetch", "wait", "release"))
+            if len(wait) != 1:
+                out.append(f"{label}: flow bucket {bucket} has {len(wait)} socompile.wait_weights nodes, expected 1")
                 continue
-            if b.prefetch_distance < 1:
-                out.append(f"bucket {b.index} flows but has prefetch distance {b.prefetch_distance}: its weights "
-                           f"would not be present at first use")
-            uses = [order[k] for p in b.params for k in readers.get(p, ())
-                    if ir.graph.nodes[k]["kind"] != "output" and not ir.graph.nodes[k].get("is_view")]
-            if uses:
-                spans.append((min(uses), max(uses), b.index, max(1, b.prefetch_distance)))
-        spans.sort()
-        for j, (first, _, idx, dist) in enumerate(spans):
-            gate = j - dist          # the transfer for use j starts when use `gate` starts ...
-            freed = gate - 1         # ... reusing the buffer of use gate-1, which must be finished by then
-            if freed >= 0 and gate >= 0:
-                f_first, f_last, f_idx, _ = spans[freed]
-                if f_last >= spans[gate][0]:
-                    out.append(f"{phase}: weight-flow bucket {f_idx} is released (buffer reused for bucket {idx}) "
-                               f"at node {spans[gate][0]} before its last use at node {f_last}")
+            if not pre:
+                out.append(f"{label}: missing socompile.prefetch of flow bucket {bucket}: nothing starts the copy "
+                           f"that node {wait[0].name!r} waits for")
+            elif len(pre) > 1 or pos[pre[0]] > pos[wait[0]]:
+                out.append(f"{label}: flow bucket {bucket} is prefetched by {[n.name for n in pre]}, expected one "
+                           f"node before its wait {wait[0].name!r}")
+            readers = _compute_readers(wait[0])
+            if not rel:
+                out.append(f"{label}: missing socompile.release of flow bucket {bucket}: its device buffer "
+                           f"(from {wait[0].name!r}) would stay booked")
+            elif len(rel) > 1:
+                out.append(f"{label}: flow bucket {bucket} is released {len(rel)} times ({[n.name for n in rel]})")
+            else:
+                late = [r.name for r in readers if pos[r] > pos[rel[0]]]
+                if late:
+                    out.append(f"{label}: flow bucket {bucket} is read by {late} after its release {rel[0].name!r}")
+        for n in nodes:
+            if n.op != "placeholder":
+                continue
+            data = ir.graph.nodes.get(f"{phase}:{n.name}")
+            param = data.get("alias_of") if data else None
+            if param in flow_params and any(a.bucket == flow_params[param] for a in schedule[phase]):
+                direct = [r.name for r in _compute_readers(n)]
+                if direct:
+                    out.append(f"{label}: {direct} read flow parameter {param} through {n.name!r} (the host "
+                               f"master), not its fetched copy")
+    if bw is not None and "insert_optimizer_steps" not in disabled:
+        handed: dict[int, int] = {}
+        for n in bw.graph.nodes:
+            if n.target is ops.bucket_grads_ready.default:
+                handed[n.args[3]] = handed.get(n.args[3], 0) + 1
+        for b in plan.buckets:
+            if handed.get(b.index, 0) != 1:
+                out.append(f"backward: bucket {b.index} is handed to its optimizer {handed.get(b.index, 0)} times, "
+                           f"expected once")
+    return out
+
+
+def _compute_readers(node) -> list:
+    """Nodes that read ``node``'s data, looking through views and dtype casts (not the graph output)."""
+    import torch
+    out, todo = [], [node]
+    while todo:
+        for user in todo.pop().users:
+            if user.op == "output":
+                continue
+            target = user.target
+            if isinstance(target, torch._ops.OpOverload) and (target.is_view or
+                                                              target is torch.ops.prims.convert_element_type.default):
+                todo.append(user)
+            elif target is not torch.ops.socompile.release.default:
+                out.append(user)
     return out
 
 
