@@ -1,2 +1,3 @@
 """socompile:: custom ops (each with a fake implementation) that passes insert into graphs."""
 from . import optimizer_ops  # noqa: F401  (registers the ops)
+from . import offload_ops  # noqa: F401

@@ -45,5 +45,6 @@ def run_passes(gm: fx.GraphModule, phase: str, plan, ctx) -> fx.GraphModule:
         gm = registered.fn(gm, plan, ctx)
         gm.graph.lint()
         gm.recompile()
-        ctx.record_dump(phase, registered.name, before, gm.code, gm)
+        if gm.code != before:   # a pass with nothing to apply (e.g. no flow buckets) leaves no dump
+            ctx.record_dump(phase, registered.name, before, gm.code, gm)
     return gm

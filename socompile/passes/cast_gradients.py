@@ -1,0 +1,45 @@
+"""Pass: gradients cross the link in the bucket's planned precision (``BucketPlan.link_dtype``).
+
+Pattern, for a bucket whose link precision differs from its gradients' dtype (runs after
+insert_optimizer_steps)::
+
+    g_i' = convert_element_type(g_i, link_dtype)            # on the device, before the copy to the host
+    socompile.bucket_grads_ready([g_1'..g_k'], [...], claim, b, segments)
+    # the host upcasts into the bucket's fp32 gradient buffer as it receives them (FlatBucket.receive)
+
+With bf16 on the link the CPU optimizer steps with bf16-rounded gradients: training is then no longer equal to
+fp32 eager AdamW bit for bit (tests state the tolerance).
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from .registry import register
+from .weight_flow import _Builder
+
+PASS_NAME = "cast_gradients"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@register(PASS_NAME, phase="bw")
+def cast_gradients(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
+    build = _Builder(gm, PASS_NAME)
+    buckets = {b.index: b for b in plan.buckets}
+    for node in list(gm.graph.nodes):
+        if node.target is not torch.ops.socompile.bucket_grads_ready.default:
+            continue
+        bucket = buckets[node.args[3]]
+        want = _DTYPES.get(bucket.link_dtype)
+        if want is None or bucket.optimizer_site != "cpu":
+            continue
+        grads = []
+        for g in node.args[0]:
+            val = g.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.dtype != want:
+                with gm.graph.inserting_before(node):
+                    g = build.call(torch.ops.prims.convert_element_type.default, (g, want),
+                                   f"bucket {bucket.index}: gradients cross the link as {bucket.link_dtype}", g)
+            grads.append(g)
+        node.args = (grads, *node.args[1:])
+    return gm

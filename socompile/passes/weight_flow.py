@@ -1,0 +1,207 @@
+"""Pass: stream the weights of weight-flow buckets to the device for each use, in forward and again in backward.
+
+Pattern inserted per flow bucket b (places from plan/flow_schedule.py; d = b's prefetch distance)::
+
+    ... before the first use of the flow bucket d places earlier ...
+    socompile.prefetch(rt, phase, b)                       # device buffer + async host->device copy
+    ... compute of earlier buckets overlaps the copy ...
+    flat_b = socompile.wait_weights(rt, phase, b, numel, link_dtype, device)
+    w_i = flat_b[off_i : off_i + n_i].view(shape_i)        # per parameter i of b
+    w_i = convert_element_type(w_i, compute_dtype)         # only when the link precision differs (a device cast)
+    ... every use of parameter i (or of a saved view of it) now reads w_i (or the same view of w_i) ...
+    socompile.release(rt, phase, b, [last readers])         # after the last use
+
+Forward: saved-for-backward outputs that are the parameter or a view of it are rebuilt from the parameter
+itself (the host master), never from w_i, so nothing the backward keeps holds the device buffer: it is freed
+at its last use. Backward: those saved placeholders are re-materialised from the re-fetched w_i by replaying
+the same view ops (e.g. ``aten.t``).
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from ..ops import offload_ops  # noqa: F401  (registers socompile::prefetch / wait_weights / release)
+from .registry import register
+
+FW_NAME = "weight_flow_forward"
+BW_NAME = "weight_flow_backward"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _is_view(node: fx.Node) -> bool:
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+
+
+def _fake_mode(gm: fx.GraphModule):
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and getattr(val, "fake_mode", None) is not None:
+            return val.fake_mode
+    return None
+
+
+class _Builder:
+    """Creates nodes with the meta the compilers need: a fake ``val``, the source stack trace, and why."""
+
+    def __init__(self, gm: fx.GraphModule, pass_name: str):
+        self.graph = gm.graph
+        self.fake = _fake_mode(gm)
+        self.pass_name = pass_name
+
+    def call(self, target, args, why: str, source: fx.Node) -> fx.Node:
+        node = self.graph.call_function(target, tuple(args))
+        val = None
+        if self.fake is not None and target is torch.ops.socompile.wait_weights.default:
+            # Our ops are never run for their value here: they would act on the runtime (an op without tensor
+            # inputs is not intercepted by the fake mode). Only wait_weights has a value.
+            with self.fake:
+                val = torch.empty(args[3], dtype=args[4], device=args[5])
+        elif self.fake is not None and getattr(target, "namespace", None) != "socompile":
+            with self.fake:
+                out = target(*fx.node.map_arg(node.args, lambda n: n.meta.get("val")))
+                val = out if isinstance(out, torch.Tensor) else None
+        node.meta["val"] = val
+        node.meta["stack_trace"] = source.meta.get("stack_trace")
+        node.meta["socompile"] = {"pass": self.pass_name, "why": why}
+        return node
+
+
+def _flow_placeholders(gm: fx.GraphModule, ctx, phase: str, flow_params: set[str]) -> dict[str, list[fx.Node]]:
+    """Placeholders that are a flow parameter or (backward) a saved view of one, by parameter name."""
+    out: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        data = ctx.ir.graph.nodes.get(f"{phase}:{node.name}")
+        alias = data.get("alias_of") if data else None
+        if alias in flow_params:
+            out.setdefault(alias, []).append(node)
+    return out
+
+
+def _last_readers(anchor: fx.Node) -> list[fx.Node]:
+    """Tensor outputs of the last reader (its getitems when it returns a tuple)."""
+    if isinstance(anchor.meta.get("val"), torch.Tensor):
+        return [anchor]
+    return [u for u in anchor.users if isinstance(u.meta.get("val"), torch.Tensor)]
+
+
+def _apply(gm: fx.GraphModule, plan, ctx, phase: str, pass_name: str) -> fx.GraphModule:
+    # Graphs planned for reading only (offline plan/dump: no optimizer, no runtime) get no flow nodes.
+    schedule = (getattr(ctx, "flow_schedule", None) or {}).get(phase, [])
+    if not schedule or getattr(ctx, "offload", None) is None:
+        return gm
+    runtime = ctx.offload
+    build = _Builder(gm, pass_name)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    buckets = {b.index: b for b in plan.buckets}
+    flow_params = {p for b in plan.buckets if b.weight_mode == "flow" for p in b.params}
+    holders = _flow_placeholders(gm, ctx, phase, flow_params)
+    chains = ctx.flow_saved_chains          # bw placeholder name -> view ops to replay on the parameter
+    fetched: dict[fx.Node, str] = {}        # per-parameter weight node -> parameter name
+    for action in schedule:
+        anchor = nodes[action.anchor.split(":", 1)[1]]
+        b = buckets[action.bucket]
+        why = f"bucket {b.index} ({b.layers}) flows, prefetch distance {b.prefetch_distance}"
+        if action.kind == "prefetch":
+            with gm.graph.inserting_before(anchor):
+                build.call(torch.ops.socompile.prefetch.default, (runtime.handle, phase, b.index),
+                           f"{why}: start its copy to the device", anchor)
+        elif action.kind == "wait":
+            flat_bucket = runtime.buckets[b.index]
+            like = next(holders[p][0] for p in b.params if p in holders).meta["val"]
+            link = _DTYPES[b.param_link_dtype]
+            with gm.graph.inserting_before(anchor):
+                flat = build.call(torch.ops.socompile.wait_weights.default,
+                                  (runtime.handle, phase, b.index, flat_bucket.master.numel(), link, like.device),
+                                  f"{why}: its weights are needed from here", anchor)
+                for i, name in enumerate(b.params):
+                    if name not in holders:
+                        continue
+                    param_val = holders[name][0].meta["val"]     # a view has its parameter's dtype
+                    start, size = flat_bucket.offsets[i], flat_bucket.sizes[i]
+                    w = build.call(torch.ops.aten.slice.Tensor, (flat, 0, start, start + size), why, anchor)
+                    w = build.call(torch.ops.aten.view.default, (w, list(flat_bucket.params[i].shape)), why, anchor)
+                    if param_val.dtype != link:
+                        w = build.call(torch.ops.prims.convert_element_type.default, (w, param_val.dtype),
+                                       f"{why}: cast {b.param_link_dtype} -> {param_val.dtype} on the device", anchor)
+                    fetched[w] = name
+                    for holder in holders[name]:
+                        value = w
+                        if phase == "bw" and holder.name in chains:
+                            for target, rest in chains[holder.name]:
+                                value = build.call(target, (value, *rest), f"{why}: saved view re-materialised",
+                                                   holder)
+                        holder.replace_all_uses_with(value, delete_user_cb=lambda user: user.op != "output")
+        else:   # release
+            after = _last_readers(anchor)
+            position = {n: i for i, n in enumerate(gm.graph.nodes)}
+            with gm.graph.inserting_after(max([anchor, *after], key=position.__getitem__)):
+                build.call(torch.ops.socompile.release.default, (runtime.handle, phase, b.index, after),
+                           f"{why}: last use in this phase", anchor)
+    if phase == "fw":
+        _saved_outputs_from_master(gm, build, fetched, holders, chains)
+    else:
+        _unpin_from_optimizer_steps(gm, fetched)
+    return gm
+
+
+def _unpin_from_optimizer_steps(gm: fx.GraphModule, fetched: dict[fx.Node, str]) -> None:
+    """``bucket_grads_ready`` lists the last readers of its bucket's weights only to be ordered after them;
+    a view of a fetched weight in that list would keep the device buffer alive until the step. Drop those: the
+    step writes the host master, which the compute no longer reads, and the fetch that read the master was
+    waited for before the first use (the ops' ORDERED effect keeps the wait before the step)."""
+    for node in gm.graph.nodes:
+        if node.target is not torch.ops.socompile.bucket_grads_ready.default:
+            continue
+        kept = []
+        for a in node.args[1]:
+            root = a
+            while isinstance(root, fx.Node) and root not in fetched and _is_view(root):
+                root = root.args[0]
+            if root not in fetched:
+                kept.append(a)
+        node.args = (node.args[0], kept, *node.args[2:])
+
+
+def _saved_outputs_from_master(gm: fx.GraphModule, build: _Builder, fetched: dict[fx.Node, str],
+                               holders: dict[str, list[fx.Node]], chains: dict) -> None:
+    """Forward outputs (saved for backward) that are views of a fetched weight: rebuild them from the parameter
+    placeholder, so the saved tensor keeps the host master alive, not the device buffer; remember the view ops
+    so the backward can replay them on its re-fetched weights."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    new_args = []
+    for arg in output.args[0]:
+        ops, root = [], arg
+        while isinstance(root, fx.Node) and root not in fetched and _is_view(root):
+            ops.append((root.target, tuple(root.args[1:])))
+            root = root.args[0]
+        if isinstance(root, fx.Node) and root in fetched and ops:
+            if any(isinstance(a, fx.Node) for _, rest in ops for a in rest):
+                raise NotImplementedError(f"weight flow: the saved view {arg.name} of {fetched[root]} has symbolic "
+                                          f"view arguments; keep this bucket stationary (weight_mode='planned')")
+            ops.reverse()
+            value = holders[fetched[root]][0]
+            with gm.graph.inserting_before(output):
+                for target, rest in ops:
+                    value = build.call(target, (value, *rest), "saved for backward: a view of the host master, "
+                                                               "not of the device buffer", arg)
+            chains[arg.name] = ops
+            new_args.append(value)
+        elif isinstance(root, fx.Node) and root in fetched:
+            new_args.append(holders[fetched[root]][0])
+        else:
+            new_args.append(arg)
+    output.args = (tuple(new_args),)
+
+
+@register(FW_NAME, phase="fw")
+def weight_flow_forward(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
+    return _apply(gm, plan, ctx, "fw", FW_NAME)
+
+
+@register(BW_NAME, phase="bw")
+def weight_flow_backward(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
+    return _apply(gm, plan, ctx, "bw", BW_NAME)
