@@ -114,66 +114,114 @@ def _owning_optimizer(params: list[torch.nn.Parameter], names: list[str]):
 def _compile(gm: fx.GraphModule, example_inputs: list, ctx: CompileContext):
     from torch._functorch import config as functorch_config
 
-    def inner(compile_fn):
-        def compile_graph(graph: fx.GraphModule, inputs, **kwargs):
-            if kwargs.get("is_backward"):
-                graph = _apply_plan(ctx, graph)
-            else:
-                ctx.forward_graph = graph
-            return compile_fn(graph, inputs, **kwargs)
-        return compile_graph
-
-    # NOTE: no AOTAutograd cache. A cache hit would skip our backward hook, so the optimizer's buckets would
+    # NOTE: plan at partition time. Weight flow rewrites the forward (fetch, release, saved views) and the
+    # backward (re-fetch, optimizer steps) together, so both graphs must be known before either is compiled.
+    # The partitioner is the one place that sees both: we run the stock min-cut partitioner, then plan and
+    # rewrite its two outputs. AOTAutograd compiles the forward at once and the backward lazily, as before.
+    #
+    # NOTE: no AOTAutograd cache. A cache hit would skip our partition hook, so the optimizer's buckets would
     # never be laid out for the cached graph. Inductor's own FX graph cache stays on: it keys on the graph
     # after our passes.
     with functorch_config.patch(enable_autograd_cache=False):
         if ctx.options.compute == "inductor":
-            from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-            return compile_fx(gm, example_inputs, inner_compile=inner(compile_fx_inner))
+            from torch._inductor import config as inductor_config
+            from torch._inductor.compile_fx import compile_fx
+            with inductor_config.patch(custom_partitioner_fn=_partitioner(ctx)):
+                return compile_fx(gm, example_inputs)
         from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
         from torch._dynamo.backends.common import aot_autograd
 
         def eager(graph, inputs, **kwargs):
             return make_boxed_func(graph.forward)
 
-        fw = inner(eager)
-        return aot_autograd(fw_compiler=fw, bw_compiler=lambda g, i: fw(g, i, is_backward=True),
-                            partition_fn=min_cut_rematerialization_partition)(gm, example_inputs)
+        def partition(joint, joint_inputs, **kwargs):
+            fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+            return _apply_plan(ctx, fw, bw)
+
+        return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partition)(gm, example_inputs)
 
 
-def _apply_plan(ctx: CompileContext, bw: fx.GraphModule) -> fx.GraphModule:
+def _partitioner(ctx: CompileContext):
+    """Inductor's partitioner hook (``config.custom_partitioner_fn``): Inductor still runs its joint-graph
+    passes first and then calls this with ``compiler="inductor"``."""
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class SuperOffloadPartitioner(CustomPartitionerFn):
+        def __call__(self, joint, joint_inputs, **kwargs):
+            fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+            return _apply_plan(ctx, fw, bw)
+
+        def uuid(self):
+            return None   # never cache: the rewrite depends on the optimizer's live buckets
+
+    return SuperOffloadPartitioner()
+
+
+def _apply_plan(ctx: CompileContext, fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[fx.GraphModule, fx.GraphModule]:
     from . import passes
     from .capture import build_ir, describe
     from .plan import get_profile, plan
 
+    ctx.forward_graph, ctx.backward_graph = fw, bw
     if not ctx.param_names:   # a parameter-free piece of a split region: nothing to plan
-        return bw
+        return fw, bw
     with timed("capture"):
         infos = [describe(i, name, ctx.param_objects[i], optimized=ctx.optimizer is not None)
                  for i, name in ctx.param_names.items()]
-        ctx.ir = build_ir(ctx.forward_graph, bw, infos)
+        ctx.ir = build_ir(fw, bw, infos)
     with timed("plan"):
         ctx.plan = plan(ctx.ir, get_profile(ctx.options.target), ctx.options)
     _emit_plan(ctx)
-    ctx.backward_graph = bw
     if ctx.optimizer is not None and ctx.plan.buckets:
+        from torch.utils._python_dispatch import _disable_current_modes
         by_name = {name: ctx.param_objects[i] for i, name in ctx.param_names.items()}
-        # On a CPU-only machine the "device" is the CPU: device-site buckets use the same kernel, but (as on a
-        # GPU) only after validation, in opt.step(); CPU-site buckets are stepped as their gradients arrive.
-        claim = ctx.optimizer.claim([[by_name[n] for n in b.params] for b in ctx.plan.buckets],
-                                    early_step=[b.optimizer_site == "cpu" and ctx.options.speculate
-                                                for b in ctx.plan.buckets],
-                                    rollback=["inverse" if b.rollback == "inverse" else "pingpong"
-                                              for b in ctx.plan.buckets])
-        ctx.claim_handle = claim.handle
-        with timed("passes"):
-            bw = passes.run_passes(bw, "bw", ctx.plan, ctx)
+        # The partitioner runs under AOTAutograd's fake mode, but the buckets and runtime buffers are real memory
+        # and passes may talk to other ranks: run them with no mode active (passes enter the fake mode themselves
+        # to give new nodes their fake values).
+        with _disable_current_modes():
+            # On a CPU-only machine the "device" is the CPU: device-site buckets use the same kernel, but (as on
+            # a GPU) only after validation, in opt.step(); CPU-site buckets are stepped as their gradients arrive.
+            claim = ctx.optimizer.claim([[by_name[n] for n in b.params] for b in ctx.plan.buckets],
+                                        early_step=[b.optimizer_site == "cpu" and ctx.options.speculate
+                                                    for b in ctx.plan.buckets],
+                                        rollback=["inverse" if b.rollback == "inverse" else "pingpong"
+                                                  for b in ctx.plan.buckets])
+            ctx.claim_handle = claim.handle
+            _bind_runtime(ctx, claim)
+            with timed("passes"):
+                fw = passes.run_passes(fw, "fw", ctx.plan, ctx)
+                bw = passes.run_passes(bw, "bw", ctx.plan, ctx)
+        ctx.forward_graph, ctx.backward_graph = fw, bw
+        _check_rewritten(ctx, fw, bw)
         _emit_pass_graphs(ctx)
     if ctx.options.dump_dir:
         from .report.dump import write_dumps
         write_dumps(ctx, ctx.options.dump_dir)
     log.info("socompile: planned %d bucket(s) for target %s", len(ctx.plan.buckets), ctx.plan.target)
-    return bw
+    return fw, bw
+
+
+def _bind_runtime(ctx: CompileContext, claim) -> None:
+    """The offload runtime of this graph pair (device buffers, flow fetches, memory ledger). The optimizer's
+    claim keeps it alive as long as the buckets it serves; graphs reach it by handle."""
+    from .plan.flow_schedule import flow_schedule
+    from .runtime.device import device_runtime
+    from .runtime.offload import OffloadRuntime
+
+    device = ctx.param_objects[next(iter(ctx.param_objects))].device
+    ctx.offload = OffloadRuntime(ctx.plan, claim.buckets, device_runtime(device), events=ctx.optimizer.events)
+    claim.offload_runtimes = [*getattr(claim, "offload_runtimes", []), ctx.offload]
+    ctx.flow_schedule = flow_schedule(ctx.plan, ctx.ir)
+    ctx.flow_saved_chains = {}
+
+
+def _check_rewritten(ctx: CompileContext, fw: fx.GraphModule, bw: fx.GraphModule) -> None:
+    """The invariant checker on the graphs that will run (a failure is a pass bug, caught before any step)."""
+    from .plan.verify import PlanInvariantError, check_graphs
+    problems = check_graphs(ctx.plan, ctx.ir, fw, bw, disabled=ctx.options.disable_passes)
+    if problems:
+        raise PlanInvariantError(problems)
 
 
 def _emit_plan(ctx: CompileContext) -> None:

@@ -78,8 +78,11 @@ def test_infeasible_memory_budget_names_the_minimum_and_the_fix():
     opt = socompile.AdamW(model.parameters())
     cmodel = torch.compile(model, backend=_backend(device_memory_budget="1KB"))
     x, y = batches(1)[0]
-    with pytest.raises(PlanError, match="no plan fits in 0.00 GB of device memory.*raise device_memory_budget"):
+    # Planned when the forward is compiled (weight flow rewrites both graphs), so Dynamo wraps the PlanError.
+    with pytest.raises(Exception, match="no plan fits in 0.00 GB of device memory.*raise device_memory_budget") as info:
         lm_loss(cmodel(x), y).backward()
+    assert isinstance(info.value, PlanError) or isinstance(info.value.__cause__ or info.value.inner_exception,
+                                                            PlanError)
     del opt
 
 
