@@ -133,8 +133,8 @@ def plan_with_details(ir: IR, hw: HardwareProfile, options: Options,
         sim = simulate(_plan_of(ctx, buckets, recompute, ()), costs, cost)
         if memory.device_peak > budget:
             raise PlanError(f"the pinned weight placement (weight_mode={options.weight_mode!r}, prefetch_distance="
-                            f"{options.prefetch_distance}) needs {memory.device_peak / GB:.2f} GB of device memory, "
-                            f"over the budget of {budget / GB:.2f} GB; stream more buckets (weight_mode='flow') or "
+                            f"{options.prefetch_distance}) needs {memory.device_peak / 1e6:.1f} MB of device memory, "
+                            f"over the budget of {budget / 1e6:.1f} MB; stream more buckets (weight_mode='flow') or "
                             f"leave weight_mode='planned'")
     buckets, host_total, host_pinned, host_parts = _rollback_modes(ctx, buckets, decisions)
     names = ctx.ir.symbol_names
