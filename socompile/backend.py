@@ -153,9 +153,22 @@ def _partitioner(ctx: CompileContext):
             return _apply_plan(ctx, fw, bw)
 
         def uuid(self):
-            return None   # never cache: the rewrite depends on the optimizer's live buckets
+            # Inductor's FX graph cache keys on the graphs *after* our passes (runtime handles included), so
+            # the partitioner itself needs only a stable name.
+            return _PARTITIONER_ID
+
+        def __reduce__(self):
+            # The cache key pickles Inductor's config, this object included: pickle it as its name.
+            return (_partitioner_id, ())
 
     return SuperOffloadPartitioner()
+
+
+_PARTITIONER_ID = "socompile.backend.SuperOffloadPartitioner/1"
+
+
+def _partitioner_id() -> str:
+    return _PARTITIONER_ID
 
 
 def _apply_plan(ctx: CompileContext, fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[fx.GraphModule, fx.GraphModule]:
