@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One-GPU check of socompile, for a machine with torch 2.11+ (CUDA) and no network; expected 4-6 minutes
+# (a 1.3B Inductor compile dominates), each stage under its own timeout.
+#   bench/gpu_check.sh            (uses `python`; PY=/path/to/python to choose)
+# 1. environment: torch >= 2.11 with a visible GPU; 2. builds the CPU Adam kernel from source (no downloads);
+# 3. runs the CUDA tests (and the runtime tests whose CUDA logic is checked on the CPU);
+# 4. times a step of a ~1B Llama without offload (Inductor + fused AdamW on the GPU) and with socompile, plus the
+#    runtime's copy stream (pinned h2d bandwidth and overlap with compute).
+# Written without a GPU at hand: checked by reading, never run (see docs/runtime.md).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python}
+START=$SECONDS
+STATUS=0
+section() { echo; echo "== $1 (t=$((SECONDS - START)) s)"; }
+
+section "environment"
+if ! $PY - <<'PYEOF'
+import sys
+import torch
+major, minor = (int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+print(f"python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+if (major, minor) < (2, 11):
+    sys.exit(f"torch {torch.__version__} is older than 2.11")
+if not torch.cuda.is_available():
+    sys.exit("no CUDA GPU is visible to torch")
+p = torch.cuda.get_device_properties(0)
+print(f"GPU 0: {p.name}, {p.total_memory / 2**30:.0f} GiB, {torch.cuda.device_count()} visible")
+PYEOF
+then
+    echo "environment check failed"; exit 1
+fi
+
+section "build the CPU Adam kernel (socompile_ext) from source"
+# --no-build-isolation --no-deps: use the image's setuptools/Cython/compiler, download nothing.
+if ! timeout 180 $PY -m pip install -q --no-build-isolation --no-deps -e . ; then
+    echo "pip install -e . failed; building in place instead"
+    timeout 180 $PY setup.py build_ext --inplace || { echo "extension build failed"; exit 1; }
+fi
+$PY -c "import socompile_ext, socompile; print('socompile_ext built:', socompile_ext.__file__)" || exit 1
+$PY -m socompile doctor || true
+
+section "CUDA tests"
+if $PY -c "import pytest" 2>/dev/null; then
+    timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_runtime_cuda.py tests/test_runtime_device.py \
+        tests/test_runtime_device_adam.py || STATUS=1
+else
+    echo "pytest is not installed in this environment (no network to install it): CUDA tests skipped"
+    STATUS=1
+fi
+
+section "step time, ~1B model, one GPU"
+timeout 300 $PY bench/gpu_step.py --preset llama-1b --batch 2 --seq 1024 --steps 8 || STATUS=1
+
+section "done in $((SECONDS - START)) s, status $STATUS"
+exit $STATUS
