@@ -75,11 +75,20 @@ def _zero_worker(args: dict) -> dict:
     err = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
     digest = [float(p.double().sum()) for p in model.parameters()]
     windows = [b.window for b in opt.buckets]
+    # Optimizer state this rank allocated (moments and ping-pong spares), against one process's (whole buckets).
+    state_bytes = sum(t.numel() * t.element_size() for b in opt.buckets
+                      for t in (b.exp_avg, b.exp_avg_sq, *(b.spare or ())))
+    full_state_bytes = sum(b.numel * 4 * (2 + (3 if b.spare else 0)) for b in opt.buckets)
+    moment_bytes = sum(t.numel() * t.element_size() for b in opt.buckets for t in (b.exp_avg, b.exp_avg_sq))
+    full_moment_bytes = sum(b.numel * 4 * 2 for b in opt.buckets)
     padded = sum(-(-b.numel // topo.dp) * topo.dp != b.numel for b in opt.buckets)
     sd.shutdown()
     return {"err": err, "skipped": skipped, "digest": digest, "windows": windows,
             "comm": sharding.stats.as_dict(), "speculation": opt.stats, "norms": norms,
-            "ref_norms": ref_norms, "padded_buckets": padded}
+            "ref_norms": ref_norms, "padded_buckets": padded, "state_bytes": state_bytes,
+            "full_state_bytes": full_state_bytes, "moment_bytes": moment_bytes,
+            "full_moment_bytes": full_moment_bytes, "world": topo.world_size,
+            "max_padding": sum(-(-b.numel // topo.world_size) * topo.world_size - b.numel for b in opt.buckets)}
 
 
 def _check(args, nprocs=2):
@@ -95,6 +104,13 @@ def _check(args, nprocs=2):
     assert all(r.result["digest"] == r0["digest"] for r in results), "ranks must hold bitwise identical weights"
     assert r0["windows"] != r1["windows"], "each rank steps a different shard"
     assert r0["norms"][:NAN_STEP] == r1["norms"][:NAN_STEP], "every rank must see the same global norm"
+    # Memory: each rank allocates optimizer state (moments, and ping-pong spares where it speculated) for its
+    # shard only: the ranks' moments add up to one process's, and each rank holds ~1/W of what one process
+    # would (up to the padding of each bucket to W equal chunks).
+    moments = sum(r.result["moment_bytes"] for r in results)
+    for r in (r.result for r in results):
+        assert r["state_bytes"] <= r["full_state_bytes"] / r["world"] + 4 * 5 * r["max_padding"], r
+    assert moments == r0["full_moment_bytes"], (moments, r0["full_moment_bytes"])
     return r0, r1
 
 

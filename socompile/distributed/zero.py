@@ -21,9 +21,11 @@ from the training thread: reduce-scatters in backward-graph order (identical on 
 Sharding the world group (dp x sp) is right for Ulysses too: sequence-parallel ranks see different tokens of
 the same sequences, so their gradients must be averaged like data-parallel ones (equal shard sizes).
 
-Not done: the full-size moment buffers are still allocated on every rank (only the shard is read or written:
-the step work and the numerics are sharded, the memory saving is not yet), and ``state_dict`` holds valid
-moments only inside this rank's shards (sharded checkpoints need torch.distributed.checkpoint).
+Memory: each rank allocates exp_avg, exp_avg_sq and the ping-pong spare (master window and moments) for its
+window only (``FlatBucket.shard``): optimizer state is ~1/W of one process's. The fp32 weights (``master``, the
+model aliases them) and the gradient buffer (backward writes whole gradients; it is the reduce-scatter's input)
+stay whole. ``opt.state_dict()`` refuses (it would show moments it does not have): checkpoints go through
+torch.distributed.checkpoint (``socompile.distributed.checkpoint``).
 """
 from __future__ import annotations
 
@@ -69,11 +71,28 @@ class ZeroSharding:
 
     # ---------------------------------------------------------------- layout
     def shard_of(self, bucket) -> _Shard:
+        bucket.shard(self.rank, self.world)   # no-op once sharded (buckets made after shard_optimizer are)
         chunk = -(-bucket.numel // self.world)
-        lo = min(self.rank * chunk, bucket.numel)
-        shard = _Shard(lo, min(lo + chunk, bucket.numel), chunk, chunk * self.world)
-        bucket.window = (shard.lo, shard.hi)
-        return shard
+        return _Shard(*bucket.window, chunk, chunk * self.world)
+
+    def unshard_state(self, buckets) -> None:
+        """Gather the whole moments of sharded ``buckets`` onto every rank (all-gather; a transient full copy
+        of those buckets' state), so that a new bucket layout (a compile claiming parameters after a load or
+        after steps) can take its windows from them. Called with the same buckets, in the same order, on every
+        rank (the optimizer's layouts are the same everywhere; the plan check says so)."""
+        for bucket in buckets:
+            shard = self.shard_of(bucket)
+            full = []
+            for name, local in (("exp_avg", bucket.exp_avg), ("exp_avg_sq", bucket.exp_avg_sq)):
+                mine = torch.zeros(shard.chunk, dtype=local.dtype)
+                mine[:local.numel()].copy_(local)
+                out = torch.empty(shard.padded, dtype=local.dtype)
+                with guard(f"all-gather of bucket {bucket.index}'s {name} (re-layout)", self.group):
+                    dist.all_gather_single(out, mine, group=self.group) if hasattr(dist, "all_gather_single") \
+                        else dist.all_gather_into_tensor(out, mine, group=self.group)
+                full.append(out[:bucket.numel])
+            bucket.exp_avg, bucket.exp_avg_sq = full
+            bucket.state_lo, bucket.spare, bucket.window = 0, None, None
 
     def _ring(self, nbytes: int, factor: float = 1.0) -> float:
         return factor * nbytes * (self.world - 1) / self.world
@@ -175,5 +194,12 @@ def shard_optimizer(optimizer, group=None, broadcast_from: int | None = 0) -> Ze
         with guard("broadcast of the initial weights", group):
             for bucket in optimizer.buckets:
                 dist.broadcast(bucket.master, src=source, group=group)
+    optimizer._wait_pending()
+    for bucket in optimizer.buckets:   # from now on each rank keeps optimizer state for its windows only
+        bucket.shard(sharding.rank, sharding.world)
     optimizer._sharding = sharding
+    for bucket in optimizer.buckets:
+        for i, p in enumerate(bucket.params):
+            if p in optimizer.state:
+                optimizer._alias_state(bucket, i, optimizer.state[p])
     return sharding

@@ -34,6 +34,16 @@ from ..runtime.worker import CPUWorker
 log = logging.getLogger("socompile")
 
 
+def torch_param_group(group: dict) -> dict:
+    """A param group of ``Optimizer.state_dict()`` (a fresh dict) in torch.optim.AdamW's keys."""
+    decoupled = group.pop("decoupled", True)
+    for key, value in (("amsgrad", False), ("maximize", False), ("foreach", None), ("capturable", False),
+                       ("differentiable", False), ("fused", None)):
+        group.setdefault(key, value)
+    group["decoupled_weight_decay"] = decoupled
+    return group
+
+
 class GraphClaim:
     """The buckets one compiled backward graph feeds, addressed by a handle from inside the graph."""
 
@@ -121,9 +131,15 @@ class AdamW(torch.optim.Optimizer):
                                         indices=[-1 - k for k in range(len(groups))])
 
     def _make_buckets(self, param_lists: list[list[nn.Parameter]], indices: list[int]) -> list[FlatBucket]:
-        made = []
+        made, shard = [], None
+        if self._sharding is not None:   # ZeRO: new buckets keep state for this rank's window only ...
+            shard = (self._sharding.rank, self._sharding.world)
+            # ... and state held by other ranks under the old layout is gathered first (same order everywhere)
+            old = {id(b): b for params in param_lists for p in params if id(p) in self._slot
+                   for b in (self._slot[id(p)][0],) if b.sharded and any(b.steps)}
+            self._sharding.unshard_state(list(old.values()))
         for index, params in zip(indices, param_lists):
-            bucket = FlatBucket(index, params)
+            bucket = FlatBucket(index, params, shard=shard)
             bucket.adopt(self._slot)
             bucket.group_of = [self._group_index[id(p)] for p in params]
             bucket.rollback_mode = self.rollback
@@ -132,9 +148,19 @@ class AdamW(torch.optim.Optimizer):
             for i, p in enumerate(bucket.params):
                 self._slot[id(p)] = (bucket, i)
                 if p in self.state:
-                    self.state[p]["exp_avg"] = bucket.view(bucket.exp_avg, i)
-                    self.state[p]["exp_avg_sq"] = bucket.view(bucket.exp_avg_sq, i)
+                    self._alias_state(bucket, i, self.state[p])
         return made
+
+    @staticmethod
+    def _alias_state(bucket: FlatBucket, i: int, state: dict) -> None:
+        """Point ``state``'s moments at the bucket's current buffers; a sharded bucket has no whole moment
+        tensor to show, so its state holds the step count only (see socompile.distributed.checkpoint)."""
+        if bucket.sharded:
+            state.pop("exp_avg", None)
+            state.pop("exp_avg_sq", None)
+        else:
+            state["exp_avg"] = bucket.view(bucket.exp_avg, i)
+            state["exp_avg_sq"] = bucket.view(bucket.exp_avg_sq, i)
 
     def claim(self, param_lists: list[list[nn.Parameter]], early_step: list[bool] | None = None,
               rollback: list[str] | None = None) -> GraphClaim:
@@ -330,9 +356,7 @@ class AdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 if "step" not in state:
                     state["step"] = torch.tensor(0.0)
-                # Views of the current copy (a ping-pong commit may just have swapped it).
-                state["exp_avg"] = bucket.view(bucket.exp_avg, i)
-                state["exp_avg_sq"] = bucket.view(bucket.exp_avg_sq, i)
+                self._alias_state(bucket, i, state)   # the current copy (a ping-pong commit may have swapped it)
                 state["step"].fill_(float(bucket.steps[i]))
         self.events.record("commit")
 
@@ -366,8 +390,17 @@ class AdamW(torch.optim.Optimizer):
         """torch.optim.AdamW's layout: ``state[i] = {"step", "exp_avg", "exp_avg_sq"}`` (fp32, the parameter's
         shape; "step" a float32 scalar tensor), and param groups with torch's keys, so ``torch.optim.AdamW``
         loads it as is. Tensors are views of the live buckets (as torch returns its live state): save or clone
-        them before training on. Call it after ``opt.step()``, not between backward and step."""
+        them before training on. Call it after ``opt.step()``, not between backward and step.
+
+        A ZeRO-sharded optimizer holds only its shards of the moments: use socompile.distributed.save / load
+        (torch.distributed.checkpoint), or ``full_optimizer_state_dict`` to gather this layout on one rank."""
         self._wait_pending()
+        if any(b.sharded for b in self.buckets):
+            raise RuntimeError("state_dict() of a ZeRO-sharded socompile.AdamW: this rank holds only its shards "
+                               "of exp_avg/exp_avg_sq. Save with socompile.distributed.save(dir, model, opt) "
+                               "(torch.distributed.checkpoint, every rank writes its shards), or gather "
+                               "torch.optim.AdamW's layout on rank 0 with "
+                               "socompile.distributed.full_optimizer_state_dict(opt).")
         # Read the buckets' *current* buffers: a ping-pong commit swaps them, so views taken earlier may point
         # at the spare. The step count lives in the bucket too.
         for p, state in self.state.items():
@@ -375,16 +408,10 @@ class AdamW(torch.optim.Optimizer):
             if slot is None or "step" not in state:
                 continue
             bucket, i = slot
-            state["exp_avg"] = bucket.view(bucket.exp_avg, i)
-            state["exp_avg_sq"] = bucket.view(bucket.exp_avg_sq, i)
+            self._alias_state(bucket, i, state)
             state["step"] = torch.tensor(float(bucket.steps[i]), dtype=torch.float32)
         out = super().state_dict()
-        for group in out["param_groups"]:   # fresh dicts made by torch: ours stay untouched
-            decoupled = group.pop("decoupled", True)
-            for key, value in (("amsgrad", False), ("maximize", False), ("foreach", None), ("capturable", False),
-                               ("differentiable", False), ("fused", None)):
-                group.setdefault(key, value)
-            group["decoupled_weight_decay"] = decoupled
+        out["param_groups"] = [torch_param_group(group) for group in out["param_groups"]]
         return out
 
     def load_state_dict(self, state_dict) -> None:
@@ -409,14 +436,17 @@ class AdamW(torch.optim.Optimizer):
             for i, p in enumerate(bucket.params):
                 state = self.state.get(p)
                 if not state or "step" not in state:
-                    bucket.view(bucket.exp_avg, i).zero_()
-                    bucket.view(bucket.exp_avg_sq, i).zero_()
+                    bucket.state_part(bucket.exp_avg, i).zero_()
+                    bucket.state_part(bucket.exp_avg_sq, i).zero_()
                     bucket.steps[i] = 0
                     self.state.pop(p, None)
                     continue
+                held = bucket.held(i)   # sharded: copy this rank's part of the whole moments
                 for key, buffer in (("exp_avg", bucket.exp_avg), ("exp_avg_sq", bucket.exp_avg_sq)):
-                    bucket.view(buffer, i).copy_(state[key])
-                    state[key] = bucket.view(buffer, i)
+                    if held is not None:
+                        bucket.state_part(buffer, i).copy_(state[key].reshape(-1)[held[0]:held[1]]
+                                                           .view_as(bucket.state_part(buffer, i)))
+                self._alias_state(bucket, i, state)
                 bucket.steps[i] = int(float(state["step"]))
                 state["step"] = torch.tensor(float(bucket.steps[i]), dtype=torch.float32)
 

@@ -34,12 +34,12 @@ def step_bucket(bucket: FlatBucket, groups: list[dict], grad_scale: float = 1.0,
     outputs = bucket.spare_buffers() if into_spare else None
     total, nonfinite = 0.0, False
     for start, end, gi, step in bucket.runs(bucket.group_of):
+        loc = bucket.local(start, end)   # the state buffers (and the spare) may cover this rank's shard only
         out = {}
         if outputs is not None:
-            out = dict(param_out=outputs[0][start:end], exp_avg_out=outputs[1][start:end],
-                       exp_avg_sq_out=outputs[2][start:end])
-        s, bad = kernel.adam_step(bucket.master[start:end], bucket.grad[start:end], bucket.exp_avg[start:end],
-                                  bucket.exp_avg_sq[start:end], grad_scale=grad_scale,
+            out = dict(param_out=outputs[0][loc], exp_avg_out=outputs[1][loc], exp_avg_sq_out=outputs[2][loc])
+        s, bad = kernel.adam_step(bucket.master[start:end], bucket.grad[start:end], bucket.exp_avg[loc],
+                                  bucket.exp_avg_sq[loc], grad_scale=grad_scale,
                                   **_hyper(groups[gi], step), **out)
         total, nonfinite = total + s, nonfinite or bad
     return total, nonfinite
@@ -59,5 +59,6 @@ def rollback_inplace(bucket: FlatBucket, groups: list[dict], grad_scale: float) 
     """Undo an in-place step with the algebraic inverse (memory-tight mode; not bitwise)."""
     kernel = _kernel()
     for start, end, gi, step in bucket.runs(bucket.group_of):
-        kernel.adam_rollback(bucket.master[start:end], bucket.grad[start:end], bucket.exp_avg[start:end],
-                             bucket.exp_avg_sq[start:end], grad_scale=grad_scale, **_hyper(groups[gi], step))
+        loc = bucket.local(start, end)
+        kernel.adam_rollback(bucket.master[start:end], bucket.grad[start:end], bucket.exp_avg[loc],
+                             bucket.exp_avg_sq[loc], grad_scale=grad_scale, **_hyper(groups[gi], step))
