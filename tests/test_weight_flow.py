@@ -221,3 +221,11 @@ def test_inductor_compute_with_weight_flow_matches_eager_within_tolerance():
                               prefetch_distance=1)
     assert_same_params(ours, ref, atol=5e-5)
     assert_runtime_as_planned(ctx, steps=3)
+
+
+def test_backward_flow_alone_still_trains_like_eager_when_the_forward_pass_is_disabled_by_name():
+    ours, ref, ctx, _ = train(tiny, weight_mode="flow", prefetch_distance=1, disable_passes=["weight_flow_forward"])
+    assert not any(n.target is torch.ops.socompile.wait_weights.default for n in ctx.forward_graph.graph.nodes)
+    assert any(n.target is torch.ops.socompile.wait_weights.default for n in ctx.backward_graph.graph.nodes)
+    assert check_graphs(ctx.plan, ctx.ir, ctx.forward_graph, ctx.backward_graph, disabled=("weight_flow_forward",)) == []
+    assert_same_params(ours, ref)

@@ -130,8 +130,8 @@ def _apply(gm: fx.GraphModule, plan, ctx, phase: str, pass_name: str) -> fx.Grap
                     fetched[w] = name
                     for holder in holders[name]:
                         value = w
-                        if phase == "bw" and holder.name in chains:
-                            for target, rest in chains[holder.name]:
+                        if phase == "bw" and not _is_parameter_input(holder):
+                            for target, rest in chains.get(holder.name) or _chain_in(ctx.forward_graph, holder.name):
                                 value = build.call(target, (value, *rest), f"{why}: saved view re-materialised",
                                                    holder)
                         holder.replace_all_uses_with(value, delete_user_cb=lambda user: user.op != "output")
@@ -164,6 +164,26 @@ def _unpin_from_optimizer_steps(gm: fx.GraphModule, fetched: dict[fx.Node, str])
             if root not in fetched:
                 kept.append(a)
         node.args = (node.args[0], kept, *node.args[2:])
+
+
+def _is_parameter_input(node: fx.Node) -> bool:
+    return type(node.meta.get("desc")).__name__ == "PlainAOTInput"
+
+
+def _chain_in(fw: fx.GraphModule, name: str) -> list:
+    """The view ops from a parameter placeholder to the forward node ``name`` (the forward was not rewritten,
+    e.g. weight_flow_forward disabled by name, so its saved view still hangs off the parameter)."""
+    node = next((n for n in fw.graph.nodes if n.name == name), None)
+    ops = []
+    while node is not None and node.op != "placeholder":
+        if not _is_view(node) or any(isinstance(a, fx.Node) for a in node.args[1:]):
+            raise NotImplementedError(f"weight flow: cannot re-materialise the saved tensor {name!r} in backward "
+                                      f"(not a static view of a parameter); keep its bucket stationary")
+        ops.append((node.target, tuple(node.args[1:])))
+        node = node.args[0]
+    if node is None:
+        raise KeyError(f"weight flow: saved tensor {name!r} is not in the forward graph")
+    return ops[::-1]
 
 
 def _saved_outputs_from_master(gm: fx.GraphModule, build: _Builder, fetched: dict[fx.Node, str],
