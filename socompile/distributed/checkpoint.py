@@ -1,0 +1,286 @@
+"""Sharded checkpoints through torch.distributed.checkpoint (DCP): every rank writes its own shards.
+
+    sd.save("ckpt", model, opt, step=step)       # every rank calls it; a directory, replaced atomically
+    extra = sd.load("ckpt", model, opt)          # -> {"step": step}; any world size, sharded or not
+    full = sd.full_optimizer_state_dict(opt)     # torch.optim.AdamW's layout, gathered on rank 0 (None elsewhere)
+
+What is in the directory (DCP keys):
+
+    model.<name>                      the model's state_dict (the same on every rank: DCP writes it once)
+    optim.state.<k>.step              parameter k's step count (k: its index in the optimizer, as in torch's layout)
+    optim.state.<k>.exp_avg[_sq]      its moments, flattened to 1-D (numel elements); each rank writes the
+                                      contiguous piece its buckets' windows hold, so the pieces tile the tensor
+    optim.param_groups, extra, meta   small pickled values (read back with weights_only=True)
+
+Moments are keyed by parameter, not by bucket: the bucket layout depends on the world size, the bucket size and
+on what was compiled, a parameter's flat elements do not. Loading asks DCP for the pieces the loading rank's
+windows need, wherever they were written: saved with DP=2, loaded with DP=3, or into one process (sharded or
+not, or with no process group at all).
+
+Each piece is a ``_FlatPiece``: DCP's planners accept objects that describe their own chunks
+(``__create_write_items__`` / ``__create_chunk_list__``), which is how DTensor plugs in; our pieces are
+arbitrary contiguous ranges, which no DTensor placement expresses. The planners here only add the lookup of
+such a piece (``lookup_object`` / ``lookup_tensor``, DCP's documented extension points) and read small values
+with ``weights_only=True``.
+
+NOTE: atomic save. DCP writes a directory, and a directory cannot be renamed over a non-empty one. Every rank
+writes into ``.<name>.tmp`` next to the target; after a barrier rank 0 renames the old checkpoint to
+``.<name>.prev``, the new one to ``<name>``, removes ``.prev`` and fsyncs the folder. A process killed at any
+point leaves the previous checkpoint complete: as ``<name>``, or (killed between the two renames) as
+``.<name>.prev``, which ``load`` falls back to and the next save cleans up.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pathlib
+import shutil
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from ..checkpoint import _fsync_dir, _module
+
+FORMAT = "socompile-dcp-checkpoint"
+VERSION = 1
+
+
+class _FlatPiece:
+    """Elements [offset, offset + local.numel()) of a flattened tensor of ``numel`` elements, held by this rank."""
+
+    def __init__(self, local: torch.Tensor, offset: int, numel: int):
+        self.local, self.offset, self.numel = local.reshape(-1), offset, numel
+
+    def size(self) -> torch.Size:   # DCP compares it with the saved size on load
+        return torch.Size([self.numel])
+
+    def _chunk(self) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(offsets=torch.Size([self.offset]), sizes=torch.Size([self.local.numel()]))
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        if self.local.numel() == 0:
+            return []
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size([self.offset])), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=self._chunk(),
+                                                      properties=TensorProperties.create_from_tensor(self.local),
+                                                      size=self.size()))]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [self._chunk()] if self.local.numel() else []
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        return self.local
+
+
+class _SavePlanner(DefaultSavePlanner):
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        obj = self.state_dict.get(index.fqn)
+        return obj.local if isinstance(obj, _FlatPiece) else super().lookup_object(index)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        # DefaultLoadPlanner's set-up first walks the state dict to materialise meta tensors, and that walk
+        # replaces objects it does not know (our pieces) with None. Nothing here is on the meta device: flatten only.
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+        self.original_state_dict = state_dict
+        self.state_dict, self.mappings = flatten_state_dict(state_dict)
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        obj = self.state_dict.get(index.fqn)
+        return obj.local if isinstance(obj, _FlatPiece) else super().lookup_tensor(index)
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:   # small values: no arbitrary unpickling
+        from torch.distributed.checkpoint._nested_dict import set_element
+        set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
+                    torch.load(value, weights_only=True))
+
+
+def _pack(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _unpack(value: bytes) -> Any:
+    return torch.load(io.BytesIO(value), weights_only=True)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group) if _distributed() else 0
+
+
+def _barrier(group) -> None:
+    if _distributed():
+        dist.barrier(group=group)
+
+
+# ---------------------------------------------------------------------------------------------- optimizer
+def _check_optimizer(optimizer) -> None:
+    from ..optim.adamw import AdamW
+    if not isinstance(optimizer, AdamW):
+        raise TypeError(f"socompile.distributed checkpoints hold a socompile.AdamW's state; got "
+                        f"{type(optimizer).__name__}. Use torch.distributed.checkpoint.state_dict for torch optimizers.")
+
+
+def _optimizer_entries(optimizer, fresh_steps: bool):
+    """(index, parameter, bucket, slot, state dict entries) for every parameter: steps as scalar tensors (new
+    ones when ``fresh_steps``, for loading), moments as the pieces this rank's buckets hold."""
+    optimizer._wait_pending()
+    index_of = {id(p): k for k, p in enumerate(optimizer._all_params())}
+    for bucket in optimizer.buckets:
+        for i, p in enumerate(bucket.params):
+            held = bucket.held(i)
+            a, b = held if held is not None else (0, 0)
+            step = torch.tensor(0.0 if fresh_steps else float(bucket.steps[i]), dtype=torch.float32)
+            entry = {"step": step}
+            for key, buffer in (("exp_avg", bucket.exp_avg), ("exp_avg_sq", bucket.exp_avg_sq)):
+                part = bucket.state_part(buffer, i) if held is not None else buffer[:0]
+                entry[key] = _FlatPiece(part, a, p.numel())
+            yield index_of[id(p)], p, bucket, i, entry
+
+
+def _groups(optimizer) -> list[dict]:
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+# ---------------------------------------------------------------------------------------------- save/load
+def save(path: str | os.PathLike, model=None, optimizer=None, *, group=None,
+         _before_rename: Callable[[], None] | None = None, **extra: Any) -> pathlib.Path:
+    """Write a DCP checkpoint directory at ``path``; every rank of ``group`` (default: the whole job) calls it,
+    after ``opt.step()``. Works without torch.distributed too (one process writes everything).
+    ``_before_rename``: a test hook run on rank 0 after every rank has written, before the rename."""
+    path = pathlib.Path(path)
+    tmp, prev = path.parent / f".{path.name}.tmp", path.parent / f".{path.name}.prev"
+    state: dict[str, Any] = {"meta": _pack({"format": FORMAT, "version": VERSION,
+                                            "world": dist.get_world_size(group) if _distributed() else 1}),
+                             "extra": _pack(extra)}
+    if model is not None:
+        state["model"] = _module(model).state_dict()
+    if optimizer is not None:
+        _check_optimizer(optimizer)
+        state["optim"] = {"state": {str(k): entry for k, *_, entry in _optimizer_entries(optimizer, False)},
+                          "param_groups": _pack(_groups(optimizer))}
+    if _rank(group) == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if prev.exists() and not path.exists():   # a save was killed between its renames: keep that one
+            prev.rename(path)
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(prev, ignore_errors=True)
+        tmp.mkdir()
+    _barrier(group)
+    with warnings.catch_warnings():   # DCP warns that one process without torch.distributed saves alone: intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=tmp, planner=_SavePlanner(), process_group=group, no_dist=not _distributed())
+    _barrier(group)   # every rank's files are written (DCP fsyncs them) before rank 0 publishes the directory
+    if _rank(group) == 0:
+        if _before_rename is not None:
+            _before_rename()
+        _fsync_dir(tmp)
+        if path.exists():
+            path.rename(prev)
+        tmp.rename(path)
+        _fsync_dir(path.parent)
+        shutil.rmtree(prev, ignore_errors=True)
+    _barrier(group)
+    return path
+
+
+def load(path: str | os.PathLike, model=None, optimizer=None, *, group=None, strict: bool = True) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save` (with any world size) into ``model`` and a socompile.AdamW,
+    sharded or not; return the ``extra`` values. Every rank of ``group`` calls it (or one process, without
+    torch.distributed)."""
+    path = pathlib.Path(path)
+    prev = path.parent / f".{path.name}.prev"
+    if not path.exists() and prev.exists():
+        path = prev   # the last save was killed between its two renames: this is the previous checkpoint
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    state: dict[str, Any] = {"meta": b"", "extra": b""}
+    if model is not None:
+        state["model"] = _module(model).state_dict()    # tensors that alias the weights: loaded in place
+    entries = []
+    if optimizer is not None:
+        _check_optimizer(optimizer)
+        entries = list(_optimizer_entries(optimizer, True))
+        state["optim"] = {"state": {str(k): entry for k, *_, entry in entries}, "param_groups": b""}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, planner=_LoadPlanner(allow_partial_load=not strict), process_group=group,
+                 no_dist=not _distributed())
+    meta = _unpack(state["meta"]) if isinstance(state["meta"], bytes) else state["meta"]
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a socompile sharded checkpoint (written by socompile.distributed.save)")
+    if meta.get("version", 0) > VERSION:
+        raise ValueError(f"{path} has format version {meta['version']}, newer than this socompile reads ({VERSION})")
+    if optimizer is not None:
+        groups = state["optim"]["param_groups"]
+        groups = _unpack(groups) if isinstance(groups, bytes) else groups
+        if len(groups) != len(optimizer.param_groups):
+            raise ValueError(f"the checkpoint has {len(groups)} param groups, the optimizer {len(optimizer.param_groups)}")
+        for mine, saved in zip(optimizer.param_groups, groups):
+            mine.update(saved)
+        for _, p, bucket, i, entry in entries:
+            bucket.steps[i] = int(float(entry["step"]))
+            if bucket.steps[i] == 0:
+                optimizer.state.pop(p, None)
+                continue
+            optimizer.state[p]["step"] = torch.tensor(float(bucket.steps[i]), dtype=torch.float32)
+            optimizer._alias_state(bucket, i, optimizer.state[p])
+    extra = _unpack(state["extra"]) if isinstance(state["extra"], bytes) else state["extra"]
+    return dict(extra or {})
+
+
+# ------------------------------------------------------------------------------------------------ interop
+@torch.no_grad()
+def full_optimizer_state_dict(optimizer, *, to_rank: int = 0, group=None) -> dict | None:
+    """torch.optim.AdamW's state_dict layout (whole moments), gathered on group rank ``to_rank``; None on the
+    other ranks. Every rank calls it. Costs one full copy of the moments on ``to_rank``: for interoperation
+    (``torch.optim.AdamW.load_state_dict``, ``socompile.save``), not for routine checkpoints."""
+    _check_optimizer(optimizer)
+    optimizer._wait_pending()
+    sharding = optimizer._sharding
+    if sharding is None or sharding.world == 1:
+        return optimizer.state_dict()
+    group = sharding.group if group is None else group
+    me = dist.get_rank(group)
+    dst = dist.get_global_rank(group, to_rank) if group is not None else to_rank
+    index_of = {id(p): k for k, p in enumerate(optimizer._all_params())}
+    state: dict[int, dict] = {}
+    for bucket in optimizer.buckets:   # the same order on every rank
+        shard = sharding.shard_of(bucket)
+        whole = []
+        for local in (bucket.exp_avg, bucket.exp_avg_sq):
+            mine = torch.zeros(shard.chunk, dtype=local.dtype)
+            mine[:local.numel()].copy_(local)
+            parts = [torch.empty(shard.chunk, dtype=local.dtype) for _ in range(sharding.world)] if me == to_rank else None
+            dist.gather(mine, parts, dst=dst, group=group)
+            whole.append(torch.cat(parts)[:bucket.numel] if parts is not None else None)
+        if me != to_rank:
+            continue
+        for i, p in enumerate(bucket.params):
+            if bucket.steps[i] == 0:
+                continue
+            state[index_of[id(p)]] = {"step": torch.tensor(float(bucket.steps[i]), dtype=torch.float32),
+                                      "exp_avg": bucket.view(whole[0], i).clone(),
+                                      "exp_avg_sq": bucket.view(whole[1], i).clone()}
+    if me != to_rank:
+        return None
+    groups = torch.optim.Optimizer.state_dict(optimizer)["param_groups"]   # torch's param index lists
+    return {"state": dict(sorted(state.items())), "param_groups": [_torch_group(g) for g in groups]}
+
+
+def _torch_group(group: dict) -> dict:
+    from ..optim.adamw import torch_param_group
+    return torch_param_group(group)
