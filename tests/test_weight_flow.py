@@ -41,7 +41,10 @@ def assert_runtime_as_planned(ctx, steps=STEPS):
     """Measured == predicted device peak; each flow bucket fetched once per phase per step; nothing leaks."""
     predicted = runtime_device_bytes(ctx.plan, ctx.ir)
     ledger = ctx.offload.ledger.summary()
-    assert ledger["peak"] == predicted["peak"], (ledger, predicted)
+    assert ledger["peak"] == predicted["peak"] == ctx.plan.prediction("runtime_device_peak_bytes"), (ledger, predicted)
+    for phase, name in (("fw", "forward"), ("bw", "backward")):    # per phase too, where anything flows
+        if predicted["flow_phase_peak"][phase]:
+            assert ledger["phase_peak"][name] == dict(ctx.plan.prediction("runtime_device_phase_peak_bytes"))[phase]
     assert ledger["current"] == predicted["fixed"]        # every flow buffer given back
     for phase, actions in ctx.flow_schedule.items():
         for a in actions:

@@ -27,7 +27,7 @@ from .analysis import GraphCosts, analyze, layer_group
 from .bucketize import FP32_BYTES, bucketize
 from .cost import CostModel
 from .hardware import GB, HardwareProfile
-from .memory import MemoryEstimate, device_memory, host_memory
+from .memory import MemoryEstimate, device_memory, host_memory, runtime_device_bytes
 from .plan import BucketPlan, Plan
 from .simulate import simulate
 
@@ -163,6 +163,13 @@ def plan_with_details(ir: IR, hw: HardwareProfile, options: Options,
                                    stepped_s=round(times.get(b.index, (0.0, sim.step_time))[1], 6))
                for b in buckets]
     final = _plan_of(ctx, buckets, recompute, predicted, tuple(decisions), unoptimized)
+    # What the runtime itself will hold on the device (weights, device optimizer state, flow buffers), walked
+    # over the exact flow schedule: tests compare it with the runtime's measured peak byte for byte.
+    runtime = runtime_device_bytes(final, ir)
+    final = dataclasses.replace(final, predicted=final.predicted + (
+        ("runtime_device_peak_bytes", int(runtime["peak"])),
+        ("runtime_device_phase_peak_bytes", tuple((k, int(runtime["fixed"] + v))
+                                                  for k, v in sorted(runtime["flow_phase_peak"].items())))))
     from .verify import verify
     verify(final, ir, hw)   # a failure here is a planner bug: never hand an unsafe plan to the passes
     return PlanDetails(final, cost, costs, sim, zero)
