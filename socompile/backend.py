@@ -208,6 +208,12 @@ def _apply_plan(ctx: CompileContext, fw: fx.GraphModule, bw: fx.GraphModule) -> 
         ctx.forward_graph, ctx.backward_graph = fw, bw
         _check_rewritten(ctx, fw, bw)
         _emit_pass_graphs(ctx)
+    else:   # no socompile optimizer, so no passes ran: ranks must still have planned alike (distributed runs)
+        from torch.utils._python_dispatch import _disable_current_modes
+        for check in (p for p in passes.registry.PASSES if p.name == "check_plan_across_ranks"
+                      and p.name not in ctx.options.disable_passes):
+            with _disable_current_modes():   # it talks to the other ranks with real tensors
+                check.fn(bw, ctx.plan, ctx)
     if ctx.options.dump_dir:
         from .report.dump import write_dumps
         write_dumps(ctx, ctx.options.dump_dir)
