@@ -93,7 +93,8 @@ def test_inserted_optimizer_nodes_are_socompile_custom_ops_with_provenance_and_s
 def test_late_buckets_step_before_backward_reaches_the_first_layers():
     # gpu_buckets=0: every bucket is a CPU bucket (a tiny model would otherwise fit on the device entirely).
     _, _, backend, opt = run_pair(lambda: build("tiny", n_layers=4), steps=2,
-                                  options={"bucket_size": "256KB", "gpu_buckets": 0})
+                                  options={"bucket_size": "256KB", "gpu_buckets": 0},
+                                  socompile_kwargs={"cpu_worker": "thread"})
     plan = backend.compiled[0].plan
     last = plan.buckets[-1].index  # holds the embedding: its gradients come last in backward
     assert last >= 2
@@ -105,6 +106,18 @@ def test_late_buckets_step_before_backward_reaches_the_first_layers():
     last_grads = next(e.t_ns for e in step2 if e.kind == "grads_ready" and e.bucket == last)
     assert first_step_start < last_grads
     assert next(e.thread for e in step2 if e.kind == "step_start").startswith("socompile-cpu-optimizer")
+
+
+def test_inline_cpu_worker_steps_late_buckets_inside_backward_on_its_thread():
+    _, _, backend, opt = run_pair(lambda: build("tiny", n_layers=4), steps=1,
+                                  options={"bucket_size": "256KB", "gpu_buckets": 0},
+                                  socompile_kwargs={"cpu_worker": "inline"})
+    last = backend.compiled[0].plan.buckets[-1].index
+    events = opt.events.events()
+    first_step_start = next(e.t_ns for e in events if e.kind == "step_start" and e.bucket == 0)
+    last_grads = next(e.t_ns for e in events if e.kind == "grads_ready" and e.bucket == last)
+    assert first_step_start < last_grads
+    assert not any(e.thread.startswith("socompile-cpu-optimizer") for e in events)
 
 
 def test_disabled_pass_keeps_gradients_in_grad_and_steps_in_opt_step():

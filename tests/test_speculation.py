@@ -30,11 +30,12 @@ class Harness:
     """An optimizer whose buckets are fed as a compiled backward would feed them."""
 
     def __init__(self, speculate: bool, max_grad_norm, accumulate: int = 1, rollback: str = "pingpong",
-                 predict: bool = False):
+                 predict: bool = False, cpu_worker: str = "thread"):
         gen = torch.Generator().manual_seed(1234)
         self.params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
         self.opt = socompile.AdamW(self.params, max_grad_norm=max_grad_norm, grad_accumulation_steps=accumulate,
-                                   bucket_size="1KB", rollback=rollback, predict_clipping=predict, **HYPER)
+                                   bucket_size="1KB", rollback=rollback, predict_clipping=predict,
+                                   cpu_worker=cpu_worker, **HYPER)
         # Backward order: last parameters first, two per bucket.
         order = list(reversed(self.params))
         self.bucket_params = [order[i:i + 2] for i in range(0, len(order), 2)]
@@ -91,9 +92,9 @@ step_plans = st.lists(st.fixed_dictionaries({
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(plan=step_plans, max_norm=st.sampled_from([None, 0.5, 5.0, 14.0, 40.0, 1e9]),
-       accumulate=st.sampled_from([1, 4]))
-def test_speculation_is_bitwise_equal_to_no_speculation(plan, max_norm, accumulate):
-    spec = Harness(speculate=True, max_grad_norm=max_norm, accumulate=accumulate)
+       accumulate=st.sampled_from([1, 4]), worker=st.sampled_from(["thread", "inline"]))
+def test_speculation_is_bitwise_equal_to_no_speculation(plan, max_norm, accumulate, worker):
+    spec = Harness(speculate=True, max_grad_norm=max_norm, accumulate=accumulate, cpu_worker=worker)
     plain = Harness(speculate=False, max_grad_norm=max_norm, accumulate=accumulate)
     assert run(spec, plan) == run(plain, plan)
     assert_bitwise(spec, plain)
@@ -205,7 +206,7 @@ def test_predicted_clipping_holds_speculation_after_clipped_steps():
 def test_speculation_overlaps_backward_with_clipping_on():
     torch.manual_seed(0)
     model = build("tiny", n_layers=4)
-    opt = socompile.AdamW(model.parameters(), max_grad_norm=1e6, **HYPER)
+    opt = socompile.AdamW(model.parameters(), max_grad_norm=1e6, cpu_worker="thread", **HYPER)
     cmodel = torch.compile(model, backend=socompile.SuperOffload(compute="eager", bucket_size="256KB",
                                                                  gpu_buckets=0))
     for x, y in batches(2):
