@@ -51,15 +51,46 @@ def _cmd_dump(argv: list[str]) -> int:
     parser.add_argument("--target", default="gh200")
     parser.add_argument("--bucket-size", default="1MB")
     parser.add_argument("--out", default="dumps")
+    parser.add_argument("--weight-mode", default="planned",
+                        help="planned | stationary | flow | flow:i,j (flow shows prefetch/release nodes; it streams "
+                             "CPU-stepped buckets only, so pair it with --gpu-buckets 0 on small models)")
+    parser.add_argument("--gpu-buckets", type=int, default=None, help="pin the number of device-stepped buckets")
+    parser.add_argument("--fake", action=argparse.BooleanOptionalAction, default=None,
+                        help="trace under FakeTensorMode without running (default: only for models other than "
+                             "the small presets); real runs compile through the backend and show every pass")
     args = parser.parse_args(argv)
-    from .offline import plan_model
     from .report import write_dumps
-    ctx = plan_model(args.model, args.batch, args.seq, {"target": args.target, "bucket_size": args.bucket_size})
+    options = {"target": args.target, "bucket_size": args.bucket_size, "weight_mode": args.weight_mode,
+               "gpu_buckets": args.gpu_buckets}
+    fake = args.fake if args.fake is not None else args.model not in ("tiny", "tiny-tied", "small")
+    if fake:
+        from .offline import plan_model
+        ctx = plan_model(args.model, args.batch, args.seq, options)
+    else:
+        ctx = _compile_once(args.model, args.batch, args.seq, options)
     written = write_dumps(ctx, args.out)
     print(f"wrote {len(written)} files to {args.out}/")
     for path in written:
         print(f"  {path}")
     return 0
+
+
+def _compile_once(model: str, batch: int, seq: int, options: dict):
+    """One forward+backward of a real model through the backend (eager compute): the context it compiled."""
+    import torch
+
+    from . import AdamW, SuperOffload
+    from .offline import resolve_model_factory
+
+    net = resolve_model_factory(model)()
+    vocab = getattr(getattr(net, "cfg", None), "vocab_size", 256)
+    opt = AdamW(net.parameters())  # a live socompile optimizer puts its nodes into the graphs
+    backend = SuperOffload({**options, "compute": "eager"})
+    tokens = torch.randint(0, vocab, (batch, seq))
+    logits = torch.compile(net, backend=backend)(tokens)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    del opt
+    return backend.compiled[0]
 
 
 def _cmd_doctor(argv: list[str]) -> int:

@@ -196,3 +196,11 @@ def test_dump_command_writes_graphs_before_and_after_the_optimizer_pass(tmp_path
     before = next(tmp_path.glob("*insert_optimizer_steps_before.py")).read_text()
     assert "socompile.bucket_grads_ready" in after and "socompile.bucket_grads_ready" not in before
     assert next(tmp_path.glob("*_after.dot")).read_text().startswith("digraph")
+
+
+def test_dump_command_with_weight_flow_shows_prefetch_and_release_nodes(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "socompile", "dump", "--model", "tiny", "--weight-mode", "flow", "--gpu-buckets", "0",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    forward = next(tmp_path.glob("*_fw_*weight_flow*_after.py")).read_text()
+    assert "socompile.prefetch" in forward and "socompile.release" in forward
