@@ -181,6 +181,16 @@ def test_non_finite_gradient_skips_the_step_and_changes_nothing():
             assert x == y if isinstance(x, float) else torch.equal(x, y)
 
 
+def test_each_validated_step_logs_its_outcome_and_the_speculation_counters(caplog):
+    import logging
+    h = Harness(speculate=True, max_grad_norm=0.5)
+    with caplog.at_level(logging.DEBUG, logger="socompile"):
+        run(h, [{}, {"poison": (0, math.nan)}])
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("socompile step")]
+    assert len(lines) == 2 and "clipped" in lines[0] and "skipped" in lines[1]
+    assert "'rolled_back'" in lines[1]
+
+
 def test_inverse_rollback_stays_within_its_error_bound():
     # The algebraic inverse recomputes the previous state in double and rounds it to fp32; after undoing and
     # redoing, values can be off by a few ulp (v is clamped at 0). Bound: 1e-6 absolute on O(1) weights.

@@ -354,6 +354,10 @@ class AdamW(torch.optim.Optimizer):
             self._commit(buckets)
         spec.end_step(norm, skipped=self.last_step_skipped, clipped=self.last_step_clipped)
         spec.stats.seconds_validating += time.perf_counter() - start
+        if log.isEnabledFor(logging.DEBUG):   # TORCH_LOGS=+socompile shows one line per step
+            log.debug("socompile step %d: norm %.4g, %s; speculation so far %s", spec.stats.steps, norm,
+                      "skipped" if self.last_step_skipped else "clipped" if self.last_step_clipped else "committed",
+                      spec.stats.as_dict())
 
     def _roll_back(self, bucket: FlatBucket) -> None:
         if bucket.speculated == "inplace":
