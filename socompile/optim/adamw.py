@@ -223,7 +223,9 @@ class AdamW(torch.optim.Optimizer):
             self._sharding.start_reduce(bucket)   # in graph order: the same order on every rank
         # Only the last micro-batch's gradients are final: earlier ones just accumulate.
         if bucket.arrivals == self.grad_accumulation_steps and may_speculate:
-            if self.cpu_worker == "inline":
+            # ZeRO: the training thread issues the collectives in graph order and the worker thread waits for
+            # them; waiting inline, between the issues, deadlocked gloo ranks (tests/test_dist_checkpoint.py).
+            if self.cpu_worker == "inline" and self._sharding is None:
                 self._on_bucket_complete(bucket)
             else:
                 bucket.pending = self._get_worker().submit(lambda: self._on_bucket_complete(bucket))

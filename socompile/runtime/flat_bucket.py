@@ -72,12 +72,24 @@ class FlatBucket:
         self.partial = None        # (sum of squared gradients, any non-finite) of this iteration, once known
         self.rollback_mode = "pingpong"
         self.spare = None          # (master, exp_avg, exp_avg_sq) of the ping-pong spare, allocated on first use
+        self._views: dict[tuple[int, int], torch.Tensor] = {}
 
     def segment(self, i: int) -> slice:
         return slice(self.offsets[i], self.offsets[i] + self.sizes[i])
 
     def view(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
-        return buffer[self.segment(i)].view(self.params[i].shape)
+        """Parameter i's segment of ``buffer`` in the parameter's shape. Views are cached per buffer: the
+        step path asks for the same ones every iteration (grads, moments, weights after a ping-pong swap), and
+        making a view costs microseconds per parameter. Only the bucket's own buffers are cached (two ping-pong
+        sets at most); a cached view keeps its buffer alive, so the address in the key cannot be reused."""
+        own = (self.master, self.grad, self.exp_avg, self.exp_avg_sq, *(self.spare or ()))
+        if not any(buffer is b for b in own):
+            return buffer[self.segment(i)].view(self.params[i].shape)
+        key = (buffer.data_ptr(), i)
+        cached = self._views.get(key)
+        if cached is None:
+            cached = self._views[key] = buffer[self.segment(i)].view(self.params[i].shape)
+        return cached
 
     @property
     def sharded(self) -> bool:
