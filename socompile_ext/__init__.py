@@ -101,6 +101,23 @@ def _grad_addrs(grad, addr):
 
 # ---------------------------------------------------------------- public API
 
+def _step_addrs(param, grad, exp_avg, exp_avg_sq, param_out, exp_avg_out, exp_avg_sq_out, param_bf16_out):
+    """Validate the tensors of one step (or its copy ceiling); return n and their addresses (an output that
+    is not given aliases its input: updated in place)."""
+    torch = _t()
+    f32 = (torch.float32,)
+    p = _check("param", param, f32, None)
+    n = param.numel()
+    g = _check("grad", grad, (torch.float32, torch.bfloat16), n)
+    m = _check("exp_avg", exp_avg, f32, n)
+    v = _check("exp_avg_sq", exp_avg_sq, f32, n)
+    po = p if param_out is None else _check("param_out", param_out, f32, n)
+    mo = m if exp_avg_out is None else _check("exp_avg_out", exp_avg_out, f32, n)
+    vo = v if exp_avg_sq_out is None else _check("exp_avg_sq_out", exp_avg_sq_out, f32, n)
+    p16 = 0 if param_bf16_out is None else _check("param_bf16_out", param_bf16_out, (torch.bfloat16,), n)
+    return n, p, g, m, v, po, mo, vo, p16
+
+
 def adam_step(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: float, beta2: float, eps: float,
               weight_decay: float, decoupled: bool = True, grad_scale: float = 1.0,
               param_out=None, exp_avg_out=None, exp_avg_sq_out=None, param_bf16_out=None) -> tuple[float, bool]:
@@ -113,17 +130,8 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: 
 
     Returns (sum of squares of the scaled gradient, whether any scaled gradient element is non-finite).
     """
-    torch = _t()
-    f32 = (torch.float32,)
-    p = _check("param", param, f32, None)
-    n = param.numel()
-    g = _check("grad", grad, (torch.float32, torch.bfloat16), n)
-    m = _check("exp_avg", exp_avg, f32, n)
-    v = _check("exp_avg_sq", exp_avg_sq, f32, n)
-    po = p if param_out is None else _check("param_out", param_out, f32, n)
-    mo = m if exp_avg_out is None else _check("exp_avg_out", exp_avg_out, f32, n)
-    vo = v if exp_avg_sq_out is None else _check("exp_avg_sq_out", exp_avg_sq_out, f32, n)
-    p16 = 0 if param_bf16_out is None else _check("param_bf16_out", param_bf16_out, (torch.bfloat16,), n)
+    n, p, g, m, v, po, mo, vo, p16 = _step_addrs(param, grad, exp_avg, exp_avg_sq, param_out, exp_avg_out,
+                                                 exp_avg_sq_out, param_bf16_out)
     _hparams_ok(step, lr, beta1, beta2, eps, weight_decay)
     if n == 0:
         return 0.0, False
@@ -212,17 +220,8 @@ def _copy_ceiling(param, grad, exp_avg, exp_avg_sq, param_out=None, exp_avg_out=
                   param_bf16_out=None) -> None:
     """Benchmark only: the step's loads and stores with no arithmetic (the machine's ceiling for the step).
     Same store policy as adam_step (non-temporal stores for large separate outputs)."""
-    torch = _t()
-    f32 = (torch.float32,)
-    p = _check("param", param, f32, None)
-    n = param.numel()
-    g = _check("grad", grad, (torch.float32, torch.bfloat16), n)
-    m = _check("exp_avg", exp_avg, f32, n)
-    v = _check("exp_avg_sq", exp_avg_sq, f32, n)
-    po = p if param_out is None else _check("param_out", param_out, f32, n)
-    mo = m if exp_avg_out is None else _check("exp_avg_out", exp_avg_out, f32, n)
-    vo = v if exp_avg_sq_out is None else _check("exp_avg_sq_out", exp_avg_sq_out, f32, n)
-    p16 = 0 if param_bf16_out is None else _check("param_bf16_out", param_bf16_out, (torch.bfloat16,), n)
+    n, p, g, m, v, po, mo, vo, p16 = _step_addrs(param, grad, exp_avg, exp_avg_sq, param_out, exp_avg_out,
+                                                 exp_avg_sq_out, param_bf16_out)
     if n == 0:
         return
     g32, g16 = _grad_addrs(grad, g)

@@ -184,7 +184,7 @@ def _plan_of(ctx: _Context, buckets, recompute, predicted, decisions=(), unoptim
 
 def _base_buckets(ir: IR, order: list[str], bucket_size: int, ctx: _Context, decisions: list[str]):
     groups = bucketize([(n, ir.params[n].numel) for n in order], bucket_size)
-    hw, cost, wb = ctx.hw, ctx.cost, ctx.weight_bytes
+    hw, wb = ctx.hw, ctx.weight_bytes
     grad_dtype = _dtype_name(wb)
     if wb == 4:
         cast_site, param_dtype = "device", "float32"

@@ -162,7 +162,6 @@ def simulate(plan: Plan, costs: GraphCosts, cost: CostModel, schedule: str = "su
         segs = _segments(times, cuts)
         seg_at = {s[0]: i for i, s in enumerate(segs)}
         seg_ids: list[int] = []
-        h2d_for_seg: dict[int, list[int]] = {}
         # Issue transfers first (they sit on their own lane), each gated by buffer reuse.
         pending = []
         for j, (u, idx) in enumerate(flow_uses):
