@@ -153,13 +153,7 @@ def adam_rollback(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, bet
     in double with v clamped at >= 0; NOT bitwise (a few fp32 ulps, see docs/kernel.md), and a step taken
     with a non-finite gradient cannot be undone (use ping-pong state where that matters).
     """
-    torch = _t()
-    f32 = (torch.float32,)
-    p = _check("param", param, f32, None)
-    n = param.numel()
-    g = _check("grad", grad, (torch.float32, torch.bfloat16), n)
-    m = _check("exp_avg", exp_avg, f32, n)
-    v = _check("exp_avg_sq", exp_avg_sq, f32, n)
+    n, p, g, m, v, *_ = _step_addrs(param, grad, exp_avg, exp_avg_sq, None, None, None, None)
     _hparams_ok(step, lr, beta1, beta2, eps, weight_decay)
     if beta1 == 0.0 or beta2 == 0.0 or (decoupled and lr * weight_decay == 1.0):
         raise ValueError("this step cannot be inverted (beta1 == 0, beta2 == 0 or lr*weight_decay == 1 erase "
