@@ -78,6 +78,12 @@ class Options:
     """Pin the precision of gradients crossing the link to the CPU: 'float32' or 'bfloat16' (cast on the device,
     before the copy; the CPU optimizer accumulates in fp32). None: the model's own dtype."""
 
+    activations: str = "auto"
+    """What happens to each repeated layer's saved activations between forward and backward: 'auto' (the planner
+    keeps them while they fit and checkpoints or offloads layers when they do not), 'keep', 'recompute'
+    (activation checkpointing: keep each layer's input, recompute the layer in backward) or 'offload' (saved
+    tensors move to host memory in forward and back in backward), for every repeated layer."""
+
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(Options)
         for field in dataclasses.fields(self):
@@ -104,6 +110,8 @@ class Options:
             raise OptionError(f"cast_site must be 'device', 'cpu' or None, got {self.cast_site!r}")
         if self.grad_link_dtype not in (None, "float32", "bfloat16"):
             raise OptionError(f"grad_link_dtype must be 'float32', 'bfloat16' or None, got {self.grad_link_dtype!r}")
+        if self.activations not in ("auto", "keep", "recompute", "offload"):
+            raise OptionError(f"activations must be 'auto', 'keep', 'recompute' or 'offload', got {self.activations!r}")
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
         if self.disable_passes:
             from .passes import known_pass_names

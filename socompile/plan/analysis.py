@@ -21,6 +21,11 @@ from .cost import CostModel, op_class
 _LAYER = re.compile(r"^(.*?\.\d+)\.")
 
 
+def is_repeated_layer(param: str) -> bool:
+    """True for parameters of a repeated block ('layers.3.attn.wq.weight'), False for 'tok_emb.weight'."""
+    return _LAYER.match(param) is not None
+
+
 def layer_group(param: str) -> str:
     """'layers.3.attn.wq.weight' -> 'layers.3'; 'tok_emb.weight' -> 'tok_emb' (the repeated-block prefix)."""
     m = _LAYER.match(param)

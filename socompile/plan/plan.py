@@ -37,8 +37,16 @@ class Plan:
     buckets: tuple[BucketPlan, ...]
     unoptimized_params: tuple[str, ...]   # params with gradients but no socompile optimizer: keep .grad
     predicted: tuple[tuple[str, Any], ...] = ()   # named predictions (bytes, seconds) for the report
-    recompute: str = "none"        # "none" or "layers": per-layer activation checkpointing (modelled; see docs)
+    recompute: str = "none"        # "none" or "layers": some repeated layer's activations are not kept
     decisions: tuple[str, ...] = ()   # one line per decision, with its reason (reports)
+    # Per repeated layer group ("layers.3"): what happens to its saved activations between forward and backward:
+    # "keep" (stay on the device), "recompute" (activation checkpointing: keep the layer's input, recompute
+    # the rest in backward) or "offload" (saved tensors go to host memory in forward and come back in backward).
+    # Empty: keep everything. passes/activations.py applies it.
+    activations: tuple[tuple[str, str], ...] = ()
+
+    def activation_choice(self, layer: str) -> str:
+        return dict(self.activations).get(layer, "keep")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -52,7 +60,8 @@ class Plan:
         return cls(target=data["target"], bucket_size=data["bucket_size"], buckets=buckets,
                    unoptimized_params=tuple(data["unoptimized_params"]),
                    predicted=tuple(tuple(p) for p in data.get("predicted", ())),
-                   recompute=data.get("recompute", "none"), decisions=tuple(data.get("decisions", ())))
+                   recompute=data.get("recompute", "none"), decisions=tuple(data.get("decisions", ())),
+                   activations=tuple(tuple(a) for a in data.get("activations", ())))
 
     def prediction(self, key: str, default: Any = None) -> Any:
         return dict(self.predicted).get(key, default)

@@ -23,7 +23,7 @@ import sympy
 
 from ..capture.ir import IR
 from ..options import Options
-from .analysis import GraphCosts, analyze, layer_group
+from .analysis import GraphCosts, analyze, is_repeated_layer, layer_group
 from .bucketize import FP32_BYTES, bucketize
 from .cost import CostModel
 from .hardware import GB, HardwareProfile
@@ -112,7 +112,8 @@ def plan_with_details(ir: IR, hw: HardwareProfile, options: Options,
 
     base = _base_buckets(ir, order, options.bucket_size, ctx, decisions)
     recompute = "none"
-    if _min_device(ctx, base).device_peak > budget:
+    forced = options.activations if options.activations != "auto" else None
+    if forced in ("recompute", "offload") or (forced is None and _min_device(ctx, base).device_peak > budget):
         ckpt = costs.activation_peak - costs.saved_bytes + costs.checkpoint_bytes + costs.max_layer_saved
         if ckpt < costs.activation_peak:
             ctx.activations = ckpt
@@ -121,6 +122,8 @@ def plan_with_details(ir: IR, hw: HardwareProfile, options: Options,
             recompute = "layers"
             decisions.append(f"activation checkpointing per layer: activations {costs.activation_peak / GB:.1f} GB "
                              f"-> {ckpt / GB:.1f} GB (recompute adds {costs.layer_fw_time * 1e3:.1f} ms)")
+    if forced in ("recompute", "offload"):
+        recompute = "layers"
     minimum = _min_device(ctx, base)
     if minimum.device_peak > budget:
         raise PlanError(_infeasible_message(ctx, minimum, recompute))
@@ -163,6 +166,7 @@ def plan_with_details(ir: IR, hw: HardwareProfile, options: Options,
                                    stepped_s=round(times.get(b.index, (0.0, sim.step_time))[1], 6))
                for b in buckets]
     final = _plan_of(ctx, buckets, recompute, predicted, tuple(decisions), unoptimized)
+    final = dataclasses.replace(final, activations=_activation_choices(ir, forced or ("recompute" if recompute != "none" else "keep")))
     # What the runtime itself will hold on the device (weights, device optimizer state, flow buffers), walked
     # over the exact flow schedule: tests compare it with the runtime's measured peak byte for byte.
     runtime = runtime_device_bytes(final, ir)
@@ -173,6 +177,15 @@ def plan_with_details(ir: IR, hw: HardwareProfile, options: Options,
     from .verify import verify
     verify(final, ir, hw)   # a failure here is a planner bug: never hand an unsafe plan to the passes
     return PlanDetails(final, cost, costs, sim, zero)
+
+
+def _activation_choices(ir: IR, choice: str) -> tuple[tuple[str, str], ...]:
+    """The same choice for every repeated layer group; () when every layer keeps its activations."""
+    if choice == "keep":
+        return ()
+    layers = sorted({layer_group(n) for n in ir.params if is_repeated_layer(n)},
+                    key=lambda g: [int(t) if t.isdigit() else t for t in g.split(".")])
+    return tuple((g, choice) for g in layers)
 
 
 def _plan_of(ctx: _Context, buckets, recompute, predicted, decisions=(), unoptimized=()) -> Plan:
