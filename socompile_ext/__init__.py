@@ -22,7 +22,8 @@ import os
 from . import _adam
 
 __version__ = "0.1.0"
-__all__ = ["adam_step", "adam_rollback", "grad_stats", "set_num_threads", "get_num_threads", "isa", "build_info"]
+__all__ = ["adam_step", "adam_rollback", "grad_stats", "set_num_threads", "get_num_threads", "isa", "build_info",
+           "store_choice", "set_store_policy", "get_store_policy"]
 
 _torch = None
 
@@ -181,6 +182,43 @@ def grad_stats(grad) -> tuple[float, bool]:
     return _adam.grad_stats(n, g32, g16)
 
 
+_POLICIES = {"auto": 0, "regular": 1, "streaming": 2}
+
+
+def set_store_policy(policy: str = "auto", stream_threshold: int | None = None) -> None:
+    """How the kernel writes its outputs (values are identical either way; only the memory traffic differs).
+
+    "auto" (default): non-temporal (streaming) stores for outputs that are separate buffers (ping-pong state,
+    the bf16 parameter copy) of at least `stream_threshold` elements (default 131072), regular stores
+    otherwise; "regular": never stream; "streaming": stream every output at any size, in-place ones too (for
+    measurements). Process-wide."""
+    if policy not in _POLICIES:
+        raise ValueError(f"store policy must be one of {sorted(_POLICIES)}, got {policy!r}")
+    if stream_threshold is not None and (isinstance(stream_threshold, bool) or not isinstance(stream_threshold, int)):
+        raise ValueError(f"stream_threshold must be an int (elements; <= 0 restores the default), got {stream_threshold!r}")
+    _adam.set_store_policy(_POLICIES[policy])
+    if stream_threshold is not None:
+        _adam.set_stream_threshold(stream_threshold)
+
+
+def get_store_policy() -> tuple[str, int]:
+    """(policy, stream threshold in elements)."""
+    code = _adam.get_store_policy()
+    return next(k for k, v in _POLICIES.items() if v == code), _adam.stream_threshold()
+
+
+def store_choice(param, grad, exp_avg, exp_avg_sq, *, param_out=None, exp_avg_out=None, exp_avg_sq_out=None,
+                 param_bf16_out=None) -> dict:
+    """The store choice adam_step would make for these tensors now (size, policy, ISA path, alignment):
+    {"state": p/m/v outputs streamed, "bf16": bf16 copy streamed}. Each block's unaligned head (up to the
+    outputs' first 64-byte boundary) and tail use regular stores in any case."""
+    n, p, g, m, v, po, mo, vo, p16 = _step_addrs(param, grad, exp_avg, exp_avg_sq, param_out, exp_avg_out,
+                                                 exp_avg_sq_out, param_bf16_out)
+    g32, g16 = _grad_addrs(grad, g)
+    bits = _adam.stream_choice(n, p, m, v, g32, g16, po, mo, vo, p16)
+    return {"state": bool(bits & 1), "bf16": bool(bits & 2)}
+
+
 def set_num_threads(n: int) -> None:
     """Threads the kernels use (OpenMP). Set it so kernel + torch threads do not exceed the cores."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -207,6 +245,7 @@ def build_info() -> dict:
         "compiler": _adam.compiler(),
         "compile_flags": _adam.build_flags(),
         "version": __version__,
+        "store_policy": get_store_policy(),
     }
 
 

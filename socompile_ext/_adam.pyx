@@ -30,6 +30,11 @@ cdef extern from "adam.h" nogil:
     socx_stats socx_grad_stats(const float *g_f32, const uint16_t *g_bf16, int64_t n)
     void socx_copy_ceiling(const socx_buffers *b)
     void socx_set_num_threads(int n)
+    void socx_set_store_policy(int policy)
+    int socx_get_store_policy()
+    void socx_set_stream_threshold(int64_t n)
+    int64_t socx_stream_threshold()
+    int socx_stream_choice(const socx_buffers *b)
     int socx_get_num_threads()
     int socx_isa_compiled(int isa)
     int socx_isa_available(int isa)
@@ -129,6 +134,29 @@ def copy_ceiling(int64_t n, addr p, addr m, addr v, addr g32, addr g16, addr p_o
     _fill(&b, n, p, m, v, g32, g16, p_out, m_out, v_out, p16_out)
     with nogil:
         socx_copy_ceiling(&b)
+
+
+def stream_choice(int64_t n, addr p, addr m, addr v, addr g32, addr g16, addr p_out, addr m_out, addr v_out,
+                  addr p16_out):
+    cdef socx_buffers b
+    _fill(&b, n, p, m, v, g32, g16, p_out, m_out, v_out, p16_out)
+    return socx_stream_choice(&b)
+
+
+def set_store_policy(int policy):
+    socx_set_store_policy(policy)
+
+
+def get_store_policy():
+    return socx_get_store_policy()
+
+
+def set_stream_threshold(int64_t n):
+    socx_set_stream_threshold(n)
+
+
+def stream_threshold():
+    return socx_stream_threshold()
 
 
 def set_num_threads(int n):

@@ -304,6 +304,139 @@ def test_ping_pong_undoes_a_non_finite_step():
     assert torch.isfinite(p0).all() and torch.isfinite(m0).all() and torch.isfinite(v0).all()
 
 
+# ---------------------------------------------------------------- store policy (streaming stores)
+
+DEFAULT_STREAM_MIN = 1 << 17
+
+
+@pytest.fixture
+def stores_restored():
+    before = se.get_store_policy()
+    yield
+    se.set_store_policy(*before)
+
+
+def at_offset(n, off, dtype=torch.float32):
+    """An n-element view starting `off` elements after a 64-byte aligned address (torch aligns large CPU
+    allocations to 64 bytes; checked), so the kernel has to peel an unaligned head before streaming."""
+    base = torch.full((n + 64,), float("nan")).to(dtype) if dtype != torch.float32 else torch.full((n + 64,), float("nan"))
+    assert base.data_ptr() % 64 == 0
+    return base[off:off + n]
+
+
+def in_place_regular(p0, g, m0, v0, hp):
+    se.set_store_policy("regular")
+    out16 = torch.empty(p0.numel(), dtype=torch.bfloat16)
+    p, m, v, stats = step(p0, g, m0, v0, param_bf16_out=out16, **hp)
+    se.set_store_policy("auto")
+    return p, m, v, out16, stats
+
+
+@pytest.mark.parametrize("isa", X86_ISAS)
+@pytest.mark.parametrize("n, threshold", [
+    (DEFAULT_STREAM_MIN - 1, None), (DEFAULT_STREAM_MIN + 33, None),  # either side of the default threshold
+    (3 * 16384 + 17, 4096), (16384 * 2, 4096), (40, 16), (16, 16),   # multi-block, exact blocks, tiny ranges
+])
+@pytest.mark.parametrize("offsets", [(0, 0), (1, 1), (5, 5), (15, 15), (3, 9)])  # (state outputs, bf16 copy)
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_streaming_ping_pong_equals_regular_in_place_bitwise(isa, n, threshold, offsets, grad_dtype, isa_restored,
+                                                              stores_restored, threads_restored):
+    """Non-temporal stores change no value: a ping-pong step with streaming stores (unaligned heads and tails
+    through regular stores, the sum-of-squares lanes rotated past the head) gives exactly the bits of the
+    in-place step with regular stores, for every ISA, at sizes across the threshold, with 1 and 2 threads."""
+    assert _adam.force_isa(isa)
+    p0, g, m0, v0 = make_state(n, seed=n + offsets[0], grad_dtype=grad_dtype)
+    hp = dict(decoupled=offsets[0] % 2 == 0, grad_scale=0.7)
+    ref = in_place_regular(p0, g, m0, v0, hp)
+    se.set_store_policy("auto", threshold)
+    for threads in (1, 2):
+        se.set_num_threads(threads)
+        po, mo, vo = (at_offset(n, offsets[0]) for _ in range(3))
+        o16 = at_offset(n, offsets[1], torch.bfloat16)
+        kw = dict(param_out=po, exp_avg_out=mo, exp_avg_sq_out=vo, param_bf16_out=o16)
+        choice = se.store_choice(p0, g, m0, v0, **kw)
+        big = n >= (threshold or DEFAULT_STREAM_MIN)
+        vector = isa in ("avx2", "avx512")
+        assert choice["state"] == (big and vector), choice
+        # the bf16 copy streams too when its 64-byte boundary falls on the same element as the state's
+        assert choice["bf16"] == (big and vector and offsets[1] == offsets[0]), choice
+        pa, ma, va = p0.clone(), m0.clone(), v0.clone()
+        stats = se.adam_step(pa, g, ma, va, **{**HP, **hp}, **kw)
+        for x, y, what in zip((po, mo, vo, o16), ref[:4], ("param", "exp_avg", "exp_avg_sq", "bf16")):
+            assert_bitwise(x, y, f"{what} ({threads} threads)")
+        assert stats == ref[4], "gradient statistics differ (sum-of-squares lanes)"
+        for x, y in ((pa, p0), (ma, m0), (va, v0)):
+            assert_bitwise(x, y, "input (must stay untouched)")
+
+
+@pytest.mark.parametrize("isa", X86_ISAS)
+@pytest.mark.parametrize("off", [0, 7])
+def test_streaming_in_place_and_bf16_only_streaming_equal_regular(isa, off, isa_restored, stores_restored):
+    """policy 'streaming' streams in-place outputs too; an in-place step with a separate bf16 copy streams
+    the copy alone (auto, above the threshold). Same bits as regular stores."""
+    assert _adam.force_isa(isa)
+    n = 2 * 16384 + 29
+    p0, g, m0, v0 = make_state(n, seed=3, grad_dtype=torch.bfloat16)
+    ref = in_place_regular(p0, g, m0, v0, {})
+    for policy, threshold in (("streaming", None), ("auto", 1024)):
+        se.set_store_policy(policy, threshold)
+        p, m, v = (at_offset(n, off) for _ in range(3))
+        p.copy_(p0), m.copy_(m0), v.copy_(v0)
+        o16 = at_offset(n, off, torch.bfloat16)
+        choice = se.store_choice(p, g, m, v, param_bf16_out=o16)
+        vector = isa in ("avx2", "avx512")
+        assert choice == {"state": vector and policy == "streaming", "bf16": vector}, choice
+        stats = se.adam_step(p, g, m, v, **HP, param_bf16_out=o16)
+        for x, y, what in zip((p, m, v, o16), ref[:4], ("param", "exp_avg", "exp_avg_sq", "bf16")):
+            assert_bitwise(x, y, f"{policy}: {what}")
+        assert stats == ref[4]
+
+
+def test_outputs_with_different_alignment_fall_back_to_regular_stores(stores_restored):
+    n = DEFAULT_STREAM_MIN + 5
+    p0, g, m0, v0 = make_state(n, seed=2)
+    se.set_store_policy("auto")
+    outs = dict(param_out=at_offset(n, 0), exp_avg_out=at_offset(n, 3), exp_avg_sq_out=at_offset(n, 0))
+    assert se.store_choice(p0, g, m0, v0, **outs) == {"state": False, "bf16": False}
+    se.set_store_policy("regular")
+    aligned = dict(param_out=torch.empty(n), exp_avg_out=torch.empty(n), exp_avg_sq_out=torch.empty(n))
+    assert se.store_choice(p0, g, m0, v0, **aligned) == {"state": False, "bf16": False}
+    se.set_store_policy("auto")
+    assert se.store_choice(p0, g, m0, v0, **aligned)["state"] == (se.isa() in ("avx2", "avx512"))
+    ref = step(p0, g, m0, v0)
+    se.adam_step(p0.clone(), g, m0.clone(), v0.clone(), **HP, **outs)
+    for x, y in zip(outs.values(), ref[:3]):
+        assert_bitwise(x, y, "state")
+
+
+@pytest.mark.parametrize("isa", X86_ISAS)
+@pytest.mark.parametrize("off", [0, 11])
+def test_copy_ceiling_with_streaming_stores_copies_exactly(isa, off, isa_restored, stores_restored):
+    assert _adam.force_isa(isa)
+    n = 3 * 16384 + 9
+    p, g, m, v = make_state(n, seed=5, grad_dtype=torch.bfloat16)
+    for policy in ("auto", "streaming", "regular"):
+        se.set_store_policy(policy, 1024)
+        outs = [at_offset(n, off) for _ in range(3)]
+        o16 = at_offset(n, off, torch.bfloat16)
+        se._copy_ceiling(p, g, m, v, *outs, param_bf16_out=o16)
+        for x, y in zip(outs, (p, m, v)):
+            assert_bitwise(x, y, f"{policy}: ceiling copy")
+        assert torch.equal(o16.view(torch.int16), (p.view(torch.int32) >> 16).to(torch.int16))
+
+
+def test_store_policy_is_validated_and_reported(stores_restored):
+    with pytest.raises(ValueError, match="store policy"):
+        se.set_store_policy("nontemporal")
+    with pytest.raises(ValueError, match="stream_threshold"):
+        se.set_store_policy("auto", 1.5)
+    se.set_store_policy("streaming", 4096)
+    assert se.get_store_policy() == ("streaming", 4096)
+    assert se.build_info()["store_policy"] == ("streaming", 4096)
+    se.set_store_policy("auto", 0)
+    assert se.get_store_policy() == ("auto", DEFAULT_STREAM_MIN)
+
+
 @pytest.mark.parametrize("decoupled", [True, False])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("step_no", [1, 5, 1000])

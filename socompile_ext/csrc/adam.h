@@ -69,6 +69,23 @@ socx_stats socx_grad_stats(const float *g_f32, const uint16_t *g_bf16, int64_t n
  * with the same store policy as the step, and no floating-point arithmetic. For benchmarks only. */
 void socx_copy_ceiling(const socx_buffers *b);
 
+/* Store policy for the outputs of the step and of the copy ceiling.
+ * SOCX_STORES_AUTO (default): non-temporal (streaming) stores for outputs that are separate buffers of at
+ *   least socx_stream_threshold() elements (ping-pong state, the bf16 parameter copy), regular stores
+ *   otherwise. A regular store to a line that is not in cache first reads the line (read-for-ownership).
+ * SOCX_STORES_REGULAR: never stream. SOCX_STORES_STREAMING: stream every output at any size, in-place
+ *   outputs included (for measurements). The policy changes no value, only how the bytes reach memory. */
+enum socx_store_policy { SOCX_STORES_AUTO = 0, SOCX_STORES_REGULAR = 1, SOCX_STORES_STREAMING = 2 };
+void socx_set_store_policy(int policy);
+int socx_get_store_policy(void);
+void socx_set_stream_threshold(int64_t n);  /* elements; <= 0 restores the default */
+int64_t socx_stream_threshold(void);
+
+/* The store choice a step (or ceiling pass) over these buffers would make now on the current ISA path:
+ * bit 0: p/m/v outputs streamed; bit 1: bf16 parameter copy streamed. The unaligned head of every block
+ * (up to the first 64-byte boundary of the outputs) and its tail always use regular stores. */
+int socx_stream_choice(const socx_buffers *b);
+
 /* Threads used by the kernels (default: OpenMP's max threads at first use). */
 void socx_set_num_threads(int n);
 int socx_get_num_threads(void);

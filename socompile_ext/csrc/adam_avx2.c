@@ -72,17 +72,34 @@ AI void step8(const socx_buffers *b, const socx_consts *c, int64_t i, const int 
 AI double step_impl(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1, const int GBF16,
                     const int OUT16, const int STREAM) {
     __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd(), a2 = _mm256_setzero_pd(), a3 = _mm256_setzero_pd();
-    int64_t i = i0;
-    for (; i + 16 <= i1; i += 16) {
-        step8(b, c, i, GBF16, OUT16, STREAM, &a0, &a1);      /* lanes 0-3, 4-7 */
-        step8(b, c, i + 8, GBF16, OUT16, STREAM, &a2, &a3);  /* lanes 8-11, 12-15 */
+    double lanes[16] = {0}, pos[16];
+    int64_t i = i0, h = 0;
+    const int any_stream = STREAM || (OUT16 && c->stream_bf16);
+    if (any_stream) {
+        /* scalar elements (regular stores) up to the first 64-byte boundary of the streamed outputs; vector
+         * position j then holds logical lane (h + j) % 16, seeded with the head's squares (NOTE in
+         * adam_internal.h: every lane still adds its elements in element order) */
+        h = socx_stream_head(c, i0, i1);
+        if (h > 0) {
+            socx_step_tail(b, c, i0, i0, i0 + h, lanes);
+            for (int j = 0; j < 16; j++) pos[j] = lanes[(h + j) & 15];
+            a0 = _mm256_loadu_pd(pos);
+            a1 = _mm256_loadu_pd(pos + 4);
+            a2 = _mm256_loadu_pd(pos + 8);
+            a3 = _mm256_loadu_pd(pos + 12);
+            i += h;
+        }
     }
-    if (STREAM || (OUT16 && c->stream_bf16)) _mm_sfence();
-    double lanes[16];
-    _mm256_storeu_pd(lanes, a0);
-    _mm256_storeu_pd(lanes + 4, a1);
-    _mm256_storeu_pd(lanes + 8, a2);
-    _mm256_storeu_pd(lanes + 12, a3);
+    for (; i + 16 <= i1; i += 16) {
+        step8(b, c, i, GBF16, OUT16, STREAM, &a0, &a1);      /* positions 0-3, 4-7 */
+        step8(b, c, i + 8, GBF16, OUT16, STREAM, &a2, &a3);  /* positions 8-11, 12-15 */
+    }
+    if (any_stream) _mm_sfence();
+    _mm256_storeu_pd(pos, a0);
+    _mm256_storeu_pd(pos + 4, a1);
+    _mm256_storeu_pd(pos + 8, a2);
+    _mm256_storeu_pd(pos + 12, a3);
+    for (int j = 0; j < 16; j++) lanes[(h + j) & 15] = pos[j];
     socx_step_tail(b, c, i0, i, i1, lanes);
     return socx_reduce16(lanes);
 }
@@ -115,7 +132,13 @@ double socx_sumsq_avx2(const float *g32, const uint16_t *g16, int64_t i0, int64_
 
 void socx_copy_avx2(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1) {
     const __m256i zero = _mm256_set1_epi32(c->use_l2);
+    const int any_stream = c->stream || (b->p_bf16_out && c->stream_bf16);
     int64_t i = i0;
+    if (any_stream) {  /* regular stores up to the first 64-byte boundary of the streamed outputs */
+        int64_t h = socx_stream_head(c, i0, i1);
+        if (h > 0) socx_copy_scalar(b, c, i0, i0 + h);
+        i += h;
+    }
     for (; i + 8 <= i1; i += 8) {
         __m256i g = b->g_f32 ? _mm256_loadu_si256((const __m256i *)(b->g_f32 + i))
                              : _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(b->g_bf16 + i)));
@@ -140,7 +163,7 @@ void socx_copy_avx2(const socx_buffers *b, const socx_consts *c, int64_t i0, int
                 _mm_storeu_si128((__m128i *)(b->p_bf16_out + i), h8);
         }
     }
-    if (c->stream || (b->p_bf16_out && c->stream_bf16)) _mm_sfence();
+    if (any_stream) _mm_sfence();
     if (i < i1) socx_copy_scalar(b, c, i, i1);
 }
 #endif

@@ -83,19 +83,52 @@ AI void step16(const socx_buffers *b, const socx_consts *c, int64_t i, __mmask16
     }
 }
 
+/* Sum-of-squares lanes when the vector loop is shifted by h elements (a streaming head): vector position j
+ * then holds logical lane (h + j) % 16 (see the NOTE in adam_internal.h). The head's squares, already in
+ * logical lanes, seed the accumulators so every lane still adds its elements in element order. */
+AI void lanes_to_positions(const double *logical, int64_t h, __m512d *lo, __m512d *hi) {
+    double pos[16];
+    for (int j = 0; j < 16; j++) pos[j] = logical[(h + j) & 15];
+    *lo = _mm512_loadu_pd(pos);
+    *hi = _mm512_loadu_pd(pos + 8);
+}
+
+AI void positions_to_lanes(__m512d lo, __m512d hi, int64_t h, double *logical) {
+    double pos[16];
+    _mm512_storeu_pd(pos, lo);
+    _mm512_storeu_pd(pos + 8, hi);
+    for (int j = 0; j < 16; j++) logical[(h + j) & 15] = pos[j];
+}
+
 AI double step_impl(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1, const int GBF16,
                     const int OUT16, const int STREAM) {
     __m512d acc_lo = _mm512_setzero_pd(), acc_hi = _mm512_setzero_pd();
-    int64_t i = i0;
+    double lanes[16];
+    int64_t i = i0, h = 0;
+    const int any_stream = STREAM || (OUT16 && c->stream_bf16);
+    if (any_stream) {
+        /* regular (masked) stores up to the first 64-byte boundary of the streamed outputs */
+        h = socx_stream_head(c, i0, i1);
+        if (h > 0) {
+            step16(b, c, i, (__mmask16)((1u << h) - 1u), 0, GBF16, OUT16, STREAM, &acc_lo, &acc_hi);
+            _mm512_storeu_pd(lanes, acc_lo);
+            _mm512_storeu_pd(lanes + 8, acc_hi);
+            lanes_to_positions(lanes, h, &acc_lo, &acc_hi);
+            i += h;
+        }
+    }
     for (; i + 16 <= i1; i += 16) step16(b, c, i, 0xFFFF, 1, GBF16, OUT16, STREAM, &acc_lo, &acc_hi);
     if (i < i1) {
         __mmask16 k = (__mmask16)((1u << (i1 - i)) - 1u);
         step16(b, c, i, k, 0, GBF16, OUT16, STREAM, &acc_lo, &acc_hi);
     }
-    if (STREAM || (OUT16 && c->stream_bf16)) _mm_sfence();
-    double lanes[16];
-    _mm512_storeu_pd(lanes, acc_lo);
-    _mm512_storeu_pd(lanes + 8, acc_hi);
+    if (any_stream) _mm_sfence();
+    if (h > 0) {
+        positions_to_lanes(acc_lo, acc_hi, h, lanes);
+    } else {
+        _mm512_storeu_pd(lanes, acc_lo);
+        _mm512_storeu_pd(lanes + 8, acc_hi);
+    }
     return socx_reduce16(lanes);
 }
 
@@ -128,9 +161,14 @@ double socx_sumsq_avx512(const float *g32, const uint16_t *g16, int64_t i0, int6
  * time so the gradient stream is really read). */
 void socx_copy_avx512(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1) {
     const __m512i zero = _mm512_set1_epi32(c->use_l2);
-    for (int64_t i = i0; i < i1; i += 16) {
-        const int full = i + 16 <= i1;
-        __mmask16 k = full ? (__mmask16)0xFFFF : (__mmask16)((1u << (i1 - i)) - 1u);
+    const int any_stream = c->stream || (b->p_bf16_out && c->stream_bf16);
+    /* with streaming, the first vector covers only the head up to the 64-byte boundary (regular stores) */
+    int64_t i = i0, step = any_stream ? socx_stream_head(c, i0, i1) : 16;
+    if (step == 0) step = 16;
+    for (; i < i1; i += step, step = 16) {
+        const int64_t len = step < i1 - i ? step : i1 - i;
+        const int full = len == 16;
+        __mmask16 k = full ? (__mmask16)0xFFFF : (__mmask16)((1u << len) - 1u);
         __m512i g = b->g_f32 ? _mm512_maskz_loadu_epi32(k, b->g_f32 + i)
                              : _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, b->g_bf16 + i));
         __m512i p = _mm512_maskz_loadu_epi32(k, b->p_in + i);
@@ -153,6 +191,6 @@ void socx_copy_avx512(const socx_buffers *b, const socx_consts *c, int64_t i0, i
                 _mm256_mask_storeu_epi16(b->p_bf16_out + i, k, h);
         }
     }
-    if (c->stream || (b->p_bf16_out && c->stream_bf16)) _mm_sfence();
+    if (any_stream) _mm_sfence();
 }
 #endif

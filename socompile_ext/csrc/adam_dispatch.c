@@ -29,8 +29,19 @@
 
 /* Outputs at least this long (elements) that are separate buffers get non-temporal stores: a normal store
  * to a line not in cache first reads it (read-for-ownership), which would make a ping-pong step move 40
- * bytes per parameter instead of 28. Below it the outputs are likely cache-resident and normal stores win. */
+ * bytes per parameter instead of 28. Below it the outputs are likely cache-resident (and read again soon
+ * by whoever consumes them), and normal stores win. Measured crossover: see docs/kernel.md. */
 #define SOCX_STREAM_MIN (1 << 17)
+
+static int g_store_policy = SOCX_STORES_AUTO;
+static int64_t g_stream_min = SOCX_STREAM_MIN;
+
+void socx_set_store_policy(int policy) {
+    g_store_policy = (policy == SOCX_STORES_REGULAR || policy == SOCX_STORES_STREAMING) ? policy : SOCX_STORES_AUTO;
+}
+int socx_get_store_policy(void) { return g_store_policy; }
+void socx_set_stream_threshold(int64_t n) { g_stream_min = n > 0 ? n : SOCX_STREAM_MIN; }
+int64_t socx_stream_threshold(void) { return g_stream_min; }
 
 typedef struct {
     socx_step_fn step;
@@ -118,7 +129,47 @@ int socx_get_num_threads(void) {
 
 static const socx_table *table(void) { return &k_tables[socx_current_isa()]; }
 
-static int aligned64(const void *p) { return ((uintptr_t)p & 63u) == 0; }
+/* Residue r such that p + i is 64-byte aligned iff (i + r) % 16 == 0, for an array of esize-byte elements
+ * (esize 4: 64-byte vectors of 16 floats; esize 2: 32-byte vectors of 16 bf16), or -1 when no element of the
+ * array is so aligned (an address that is not a multiple of the element size). */
+static int stream_residue(const void *p, unsigned esize) {
+    uintptr_t a = (uintptr_t)p;
+    if (a % esize) return -1;
+    return (int)((a / esize) & 15u);
+}
+
+/* Which outputs get non-temporal stores (see SOCX_STREAM_MIN and socx_set_store_policy). Streamed outputs
+ * must share one alignment residue, since the vector loop peels one head per block. */
+static void store_choice(const socx_buffers *b, socx_consts *c) {
+    c->stream = c->stream_bf16 = 0;
+    c->align_r = 0;
+    int isa = socx_current_isa();
+    /* scalar has no streaming store; NEON relies on the core's write-streaming detection */
+    if (g_store_policy == SOCX_STORES_REGULAR || isa == SOCX_ISA_SCALAR || isa == SOCX_ISA_NEON) return;
+    const int always = g_store_policy == SOCX_STORES_STREAMING;
+    const int big = always || b->n >= g_stream_min;
+    const int separate = b->p_out != b->p_in && b->m_out != b->m_in && b->v_out != b->v_in;
+    if (isa == SOCX_ISA_SVE) {  /* STNT1 has no alignment requirement */
+        c->stream = big && (separate || always);
+        c->stream_bf16 = big && b->p_bf16_out != NULL;
+        return;
+    }
+    int rp = stream_residue(b->p_out, 4), rm = stream_residue(b->m_out, 4), rv = stream_residue(b->v_out, 4);
+    c->stream = big && (separate || always) && rp >= 0 && rp == rm && rp == rv;
+    if (c->stream) c->align_r = rp;
+    if (big && b->p_bf16_out != NULL) {
+        int rb = stream_residue(b->p_bf16_out, 2);
+        /* with both streamed, the bf16 copy must share the state's residue; else the state wins (12 B vs 2 B) */
+        c->stream_bf16 = rb >= 0 && (!c->stream || rb == rp);
+        if (c->stream_bf16 && !c->stream) c->align_r = rb;
+    }
+}
+
+int socx_stream_choice(const socx_buffers *b) {
+    socx_consts c;
+    store_choice(b, &c);
+    return (c.stream ? 1 : 0) | (c.stream_bf16 ? 2 : 0);
+}
 
 /* fp32 constants exactly as torch forms them: the scalar math in double (Python floats), rounded to fp32
  * where it meets an fp32 tensor. */
@@ -138,10 +189,7 @@ static void make_consts(const socx_buffers *b, const socx_hparams *h, socx_const
     c->bc2s = (float)sqrt(bc2);
     c->step_size = (float)(h->lr / bc1);
     c->eps = (float)h->eps;
-    int big = b->n >= SOCX_STREAM_MIN;
-    c->stream = big && b->p_out != b->p_in && b->m_out != b->m_in && b->v_out != b->v_in &&
-                aligned64(b->p_out) && aligned64(b->m_out) && aligned64(b->v_out);
-    c->stream_bf16 = big && b->p_bf16_out != NULL && aligned64(b->p_bf16_out);
+    store_choice(b, c);
 }
 
 static int threads_for(int64_t nblocks) {

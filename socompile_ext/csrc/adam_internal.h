@@ -42,9 +42,18 @@ typedef struct {
     float eps;
     int use_l2;       /* Adam with weight_decay != 0 */
     int lerp_small;   /* torch's lerp: weight < 0.5 -> m + w*(g-m); otherwise g - (g-m)*(1-w) */
-    int stream;       /* p/m/v outputs are separate buffers: use non-temporal stores (no read-for-ownership) */
+    int stream;       /* non-temporal stores for p/m/v outputs (no read-for-ownership): see make_consts */
     int stream_bf16;  /* same for the bf16 parameter copy */
+    int align_r;      /* when streaming: element i's outputs are 64-byte aligned iff (i + align_r) % 16 == 0
+                       * (every streamed output shares this residue; vector paths peel the block's head
+                       * up to that boundary with regular stores) */
 } socx_consts;
+
+/* Elements before the first streaming-aligned element of a block starting at i0 (0..15). */
+static inline int64_t socx_stream_head(const socx_consts *c, int64_t i0, int64_t i1) {
+    int64_t h = (16 - ((i0 + c->align_r) & 15)) & 15;
+    return h < i1 - i0 ? h : i1 - i0;
+}
 
 typedef double (*socx_step_fn)(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1);
 typedef double (*socx_sumsq_fn)(const float *g32, const uint16_t *g16, int64_t i0, int64_t i1);
