@@ -91,24 +91,44 @@ def with_stores(policy, run):
     return wrapped
 
 
-def make_ours(pr, pingpong):
+def with_static_schedule(run):
+    """Run a method with the kernel's static block schedule (contiguous range per thread) instead of dynamic."""
+    from socompile_ext import _adam
+
+    def wrapped():
+        _adam.set_dynamic_schedule(False)
+        try:
+            run()
+        finally:
+            _adam.set_dynamic_schedule(True)
+
+    return wrapped
+
+
+def make_ours(pr, pingpong, per_tensor_calls=False):
+    """One adam_step_multi call for all tensors (one parallel region), or, with per_tensor_calls, one
+    adam_step call per tensor (what a loop over parameters does; None for one tensor: the same thing)."""
     import socompile_ext as se
 
-    cur = [(p.detach(), m, v) for p, m, v in zip(pr.p, pr.m, pr.v)]
-    other = list(pr.alt)
+    if per_tensor_calls and pr.ntensors == 1:
+        return None
+    state = [[p.detach() for p in pr.p], list(pr.m), list(pr.v)]
+    other = [[a[0] for a in pr.alt], [a[1] for a in pr.alt], [a[2] for a in pr.alt]]
     step = [0]
     kw = dict(lr=HP["lr"], beta1=HP["betas"][0], beta2=HP["betas"][1], eps=HP["eps"], weight_decay=HP["weight_decay"])
 
     def run():
         step[0] += 1
-        for i in range(pr.ntensors):
-            (p, m, v), (po, mo, vo) = cur[i], other[i]
-            if pingpong:
-                se.adam_step(p, pr.g[i], m, v, step=step[0], **kw, param_out=po, exp_avg_out=mo, exp_avg_sq_out=vo,
+        outs = dict(params_out=other[0], exp_avgs_out=other[1], exp_avg_sqs_out=other[2]) if pingpong else {}
+        if per_tensor_calls:
+            for i in range(pr.ntensors):
+                pp = dict(param_out=other[0][i], exp_avg_out=other[1][i], exp_avg_sq_out=other[2][i]) if pingpong else {}
+                se.adam_step(state[0][i], pr.g[i], state[1][i], state[2][i], step=step[0], **kw, **pp,
                              param_bf16_out=pr.p16[i])
-                cur[i], other[i] = other[i], cur[i]  # validation passed: B becomes the current state
-            else:
-                se.adam_step(p, pr.g[i], m, v, step=step[0], **kw, param_bf16_out=pr.p16[i])
+        else:
+            se.adam_step_multi(state[0], pr.g, state[1], state[2], step=step[0], **kw, **outs, params_bf16_out=pr.p16)
+        if pingpong:  # validation passed: B becomes the current state
+            state[:], other[:] = other[:], state[:]
 
     return run
 
@@ -117,11 +137,10 @@ def make_ceiling(pr, pingpong):
     import socompile_ext as se
 
     params = [p.detach() for p in pr.p]
+    outs = [[a[j] for a in pr.alt] for j in range(3)] if pingpong else [None, None, None]
 
     def run():
-        for i in range(pr.ntensors):
-            outs = pr.alt[i] if pingpong else (None, None, None)
-            se._copy_ceiling(params[i], pr.g[i], pr.m[i], pr.v[i], *outs, param_bf16_out=pr.p16[i])
+        se._copy_ceiling_multi(params, pr.g, pr.m, pr.v, *outs, params_bf16_out=pr.p16)
 
     return run
 
@@ -165,16 +184,54 @@ def deepspeed_status():
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
+def cpu_idle(window=0.25):
+    """Fraction of all CPUs' time idle over the next `window` seconds (/proc/stat; None where absent)."""
+    def read():
+        with open("/proc/stat") as f:
+            vals = [int(x) for x in f.readline().split()[1:]]
+        return vals[3] + vals[4], sum(vals[:8])  # idle + iowait, total (without guest columns)
+    try:
+        i0, t0 = read()
+        time.sleep(window)
+        i1, t1 = read()
+    except OSError:
+        return None
+    return (i1 - i0) / max(t1 - t0, 1)
+
+
+QUIET = {"max_wait": 0.0, "idle": 0.85, "rounds": 0, "quiet_rounds": 0}
+
+
+def wait_quiet():
+    """With --quiet-wait S: before a round, wait up to S seconds for the CPUs to be >= 85% idle (other
+    processes' work shows up there; their memory traffic does). Counts the rounds that started quiet."""
+    if QUIET["max_wait"] <= 0:
+        return
+    end = time.monotonic() + QUIET["max_wait"]
+    while True:
+        idle = cpu_idle()
+        if idle is None or idle >= QUIET["idle"]:
+            QUIET["quiet_rounds"] += 1
+            break
+        if time.monotonic() >= end:
+            break
+    QUIET["rounds"] += 1
+
+
 def measure(pr, methods, warmup, repeats):
     """Methods interleaved round-robin, one step each per round, so load from other processes on the
     machine falls on all of them alike. Returns {name: [seconds per step]}."""
     fns = {}
     for name, make in methods:
-        fns[name] = make(pr)
+        fn = make(pr)
+        if fn is None:  # not applicable to this configuration
+            continue
+        fns[name] = fn
         for _ in range(warmup):
             fns[name]()
     times = {name: [] for name in fns}
     for _ in range(repeats):
+        wait_quiet()
         for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()
@@ -208,6 +265,9 @@ def main():
     ap.add_argument("--methods", default="",
                     help="';'-separated method names to keep (a trailing * matches a prefix), e.g. "
                          "\"ours in-place;ours ping-pong;torch fused;ceiling*\"")
+    ap.add_argument("--quiet-wait", type=float, default=0.0,
+                    help="before each round wait up to this many seconds for the CPUs to be >= 85%% idle (a shared "
+                         "machine); the report says how many rounds started quiet")
     ap.add_argument("--thp", action="store_true",
                     help="THP_MEM_ALLOC_ENABLE=1: torch backs large tensors with 2 MB transparent huge pages (all methods)")
     args = ap.parse_args()
@@ -221,6 +281,7 @@ def main():
         os.execve(args.deepspeed_python, argv, env)
 
     torch.set_num_threads(args.threads)
+    QUIET["max_wait"] = args.quiet_wait
     import socompile_ext as se
 
     se.set_num_threads(args.threads)
@@ -240,6 +301,8 @@ def main():
     ours = lambda pp, pol="auto": lambda pr: with_stores(pol, make_ours(pr, pp))  # noqa: E731
     ceil = lambda pp, pol="auto": lambda pr: with_stores(pol, make_ceiling(pr, pp))  # noqa: E731
     methods = [("ours in-place", ours(False)), ("ours in-place, streaming", ours(False, "streaming")),
+               ("ours in-place, 1 call per tensor", lambda pr: make_ours(pr, False, per_tensor_calls=True)),
+               ("ours in-place, static schedule", lambda pr: with_static_schedule(make_ours(pr, False))),
                ("ours ping-pong", ours(True)), ("ours ping-pong, regular", ours(True, "regular")),
                ("torch fused", lambda pr: make_torch(pr, "fused"))]
     if not args.no_foreach:
@@ -273,7 +336,11 @@ def main():
         print()
 
     print(f"# load average (1 min) at start {load0:.2f}, at end {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs: "
-          f"above ~0.5 other processes share the cores and the medians include their interference\n")
+          f"above ~0.5 other processes share the cores and the medians include their interference")
+    if QUIET["max_wait"] > 0:
+        print(f"# --quiet-wait {QUIET['max_wait']:g}: {QUIET['quiet_rounds']} of {QUIET['rounds']} rounds started with "
+              f"the CPUs >= {QUIET['idle']:.0%} idle (the rest after waiting {QUIET['max_wait']:g} s)")
+    print()
     print_ratios(configs, alltimes)
     print_bytes_arithmetic(configs, alltimes)
 
@@ -302,6 +369,9 @@ RATIOS = [  # (label, numerator method, denominator method): > 1 means the denom
     ("ours vs torch fused", "torch fused", "ours in-place"),
     ("ours vs torch foreach", "torch foreach", "ours in-place"),
     ("ours vs DeepSpeedCPUAdam", "deepspeed", "ours in-place"),
+    ("ours, 1 call per tensor vs DeepSpeedCPUAdam", "deepspeed", "ours in-place, 1 call per tensor"),
+    ("one multi-tensor call vs 1 call per tensor", "ours in-place, 1 call per tensor", "ours in-place"),
+    ("dynamic vs static block schedule", "ours in-place, static schedule", "ours in-place"),
     ("ping-pong vs in-place (ours)", "ours in-place", "ours ping-pong"),
     ("ping-pong vs in-place (ceiling)", "ceiling in-place", "ceiling ping-pong"),
     ("ping-pong: streaming (auto) vs regular stores", "ours ping-pong, regular", "ours ping-pong"),

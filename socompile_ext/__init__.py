@@ -23,7 +23,7 @@ from . import _adam
 
 __version__ = "0.1.0"
 __all__ = ["adam_step", "adam_rollback", "grad_stats", "set_num_threads", "get_num_threads", "isa", "build_info",
-           "store_choice", "set_store_policy", "get_store_policy"]
+           "store_choice", "set_store_policy", "get_store_policy", "adam_step_multi"]
 
 _torch = None
 
@@ -72,19 +72,23 @@ def _check(name, t, dtypes, n):
     return t.data_ptr()
 
 
-def _check_no_overlap(buffers, n):
-    """buffers: (name, address or 0, element size, written). A written buffer must not share memory with any
-    other buffer (an output given as the very same memory as its input was already folded into an in-place
-    entry by the caller): the kernel would read values it has already overwritten."""
-    spans = [(name, a, a + n * es, w) for name, a, es, w in buffers if a]
-    for i, (name, a0, a1, w) in enumerate(spans):
-        if not w:
-            continue
-        for j, (other, b0, b1, _) in enumerate(spans):
-            if j != i and a0 < b1 and b0 < a1:
+def _check_no_overlap(buffers, n=None):
+    """buffers: (name, address or 0, element size, written[, numel]). A written buffer must not share memory with
+    any other buffer (an output given as the very same memory as its input was already folded into an in-place
+    entry by the caller): the kernel would read values it has already overwritten. Sort and sweep, so a list
+    of many tensors costs O(k log k)."""
+    spans = sorted((a, a + (b[4] if len(b) > 4 else n) * es, name, w) for b in buffers for name, a, es, w in [b[:4]]
+                   if a)
+    active = []
+    for a0, a1, name, w in spans:
+        active = [s for s in active if s[1] > a0]
+        for b0, b1, other, wo in active:  # b0 <= a0 < b1: they overlap
+            if w or wo:
+                first, second = (name, other) if w else (other, name)
                 raise ValueError(
-                    f"{name} overlaps {other}; an output must be either exactly its own input (in place) "
+                    f"{first} overlaps {second}; an output must be either exactly its own input (in place) "
                     f"or a separate buffer")
+        active.append((a0, a1, name, w))
 
 
 def _hparams_ok(step, lr, beta1, beta2, eps, weight_decay):
@@ -136,14 +140,56 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: 
     _hparams_ok(step, lr, beta1, beta2, eps, weight_decay)
     if n == 0:
         return 0.0, False
-    gsz = grad.element_size()
-    _check_no_overlap(
-        [("param", p, 4, po == p), ("grad", g, gsz, False), ("exp_avg", m, 4, mo == m), ("exp_avg_sq", v, 4, vo == v),
-         ("param_out", po if po != p else 0, 4, True), ("exp_avg_out", mo if mo != m else 0, 4, True),
-         ("exp_avg_sq_out", vo if vo != v else 0, 4, True), ("param_bf16_out", p16, 2, True)], n)
+    _check_no_overlap(_step_spans("", n, grad.element_size(), p, g, m, v, po, mo, vo, p16))
     g32, g16 = _grad_addrs(grad, g)
     return _adam.step(n, p, m, v, g32, g16, po, mo, vo, p16, int(step), float(lr), float(beta1), float(beta2),
                       float(eps), float(weight_decay), bool(decoupled), float(grad_scale))
+
+
+def _step_spans(tag, n, gsz, p, g, m, v, po, mo, vo, p16):
+    return [(f"param{tag}", p, 4, po == p, n), (f"grad{tag}", g, gsz, False, n), (f"exp_avg{tag}", m, 4, mo == m, n),
+            (f"exp_avg_sq{tag}", v, 4, vo == v, n), (f"param_out{tag}", po if po != p else 0, 4, True, n),
+            (f"exp_avg_out{tag}", mo if mo != m else 0, 4, True, n),
+            (f"exp_avg_sq_out{tag}", vo if vo != v else 0, 4, True, n), (f"param_bf16_out{tag}", p16, 2, True, n)]
+
+
+def adam_step_multi(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1: float, beta2: float,
+                    eps: float, weight_decay: float, decoupled: bool = True, grad_scale: float = 1.0,
+                    params_out=None, exp_avgs_out=None, exp_avg_sqs_out=None,
+                    params_bf16_out=None) -> tuple[float, bool]:
+    """adam_step over lists of tensors with one set of hyper-parameters, in one call.
+
+    Each tensor gets exactly the result adam_step would give it (bit for bit); the returned sum of squares
+    adds the tensors' sums in list order. One parallel region for the whole list (one fork/join, the blocks
+    of all tensors shared out among the threads) instead of one per tensor. The *_out lists, when given,
+    hold one entry per tensor, each a tensor or None (None: that tensor is updated in place)."""
+    k = len(params)
+    lists = [grads, exp_avgs, exp_avg_sqs] + [x for x in (params_out, exp_avgs_out, exp_avg_sqs_out, params_bf16_out)
+                                              if x is not None]
+    for x in lists:
+        if len(x) != k:
+            raise ValueError(f"adam_step_multi needs lists of equal length; got {k} params and a list of {len(x)}")
+    _hparams_ok(step, lr, beta1, beta2, eps, weight_decay)
+    none = [None] * k
+    outs = [x if x is not None else none for x in (params_out, exp_avgs_out, exp_avg_sqs_out, params_bf16_out)]
+    import array
+
+    a = array.array("q")
+    spans = []
+    for j in range(k):
+        n, p, g, m, v, po, mo, vo, p16 = _step_addrs(params[j], grads[j], exp_avgs[j], exp_avg_sqs[j],
+                                                     outs[0][j], outs[1][j], outs[2][j], outs[3][j])
+        if n == 0:
+            continue
+        spans += _step_spans(f"[{j}]", n, grads[j].element_size(), p, g, m, v, po, mo, vo, p16)
+        g32, g16 = _grad_addrs(grads[j], g)
+        a.extend((n, p, m, v, g32, g16, po, mo, vo, p16))
+    _check_no_overlap(spans)
+    count = len(a) // 10
+    if count == 0:
+        return 0.0, False
+    return _adam.step_multi(a, count, int(step), float(lr), float(beta1), float(beta2), float(eps),
+                            float(weight_decay), bool(decoupled), float(grad_scale))
 
 
 def adam_rollback(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: float, beta2: float,
@@ -189,9 +235,11 @@ def set_store_policy(policy: str = "auto", stream_threshold: int | None = None) 
     """How the kernel writes its outputs (values are identical either way; only the memory traffic differs).
 
     "auto" (default): non-temporal (streaming) stores for outputs that are separate buffers (ping-pong state,
-    the bf16 parameter copy) of at least `stream_threshold` elements (default 131072), regular stores
-    otherwise; "regular": never stream; "streaming": stream every output at any size, in-place ones too (for
-    measurements). Process-wide."""
+    the bf16 parameter copy) when the call touches at least `stream_threshold` elements (a multi-tensor call:
+    all its tensors together; default: half the last-level cache at 28 bytes per element, at least 131072,
+    so ~599K on a 32 MB L3), regular stores otherwise; "regular": never stream; "streaming": stream every
+    output at any size, in-place ones too (for measurements). stream_threshold <= 0 restores the default.
+    Process-wide."""
     if policy not in _POLICIES:
         raise ValueError(f"store policy must be one of {sorted(_POLICIES)}, got {policy!r}")
     if stream_threshold is not None and (isinstance(stream_threshold, bool) or not isinstance(stream_threshold, int)):
@@ -259,3 +307,22 @@ def _copy_ceiling(param, grad, exp_avg, exp_avg_sq, param_out=None, exp_avg_out=
         return
     g32, g16 = _grad_addrs(grad, g)
     _adam.copy_ceiling(n, p, m, v, g32, g16, po, mo, vo, p16)
+
+
+def _copy_ceiling_multi(params, grads, exp_avgs, exp_avg_sqs, params_out=None, exp_avgs_out=None,
+                        exp_avg_sqs_out=None, params_bf16_out=None) -> None:
+    """Benchmark only: _copy_ceiling over lists in one parallel region, like adam_step_multi."""
+    import array
+
+    k = len(params)
+    none = [None] * k
+    outs = [x if x is not None else none for x in (params_out, exp_avgs_out, exp_avg_sqs_out, params_bf16_out)]
+    a = array.array("q")
+    for j in range(k):
+        n, p, g, m, v, po, mo, vo, p16 = _step_addrs(params[j], grads[j], exp_avgs[j], exp_avg_sqs[j],
+                                                     outs[0][j], outs[1][j], outs[2][j], outs[3][j])
+        if n:
+            g32, g16 = _grad_addrs(grads[j], g)
+            a.extend((n, p, m, v, g32, g16, po, mo, vo, p16))
+    if len(a):
+        _adam.copy_ceiling_multi(a, len(a) // 10)

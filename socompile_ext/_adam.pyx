@@ -4,6 +4,7 @@ messages live in __init__.py. Tensors arrive as data_ptr() addresses (zero-copy;
 per-call overhead than going through t.numpy() and typed memoryviews, which matters for small buckets).
 The GIL is released around every kernel call; the kernels run their own OpenMP threads."""
 from libc.stdint cimport int64_t, uint16_t
+from libc.stdlib cimport free, malloc
 
 cdef extern from "adam.h" nogil:
     ctypedef struct socx_hparams:
@@ -29,6 +30,10 @@ cdef extern from "adam.h" nogil:
     int socx_adam_rollback(const socx_buffers *b, const socx_hparams *h)
     socx_stats socx_grad_stats(const float *g_f32, const uint16_t *g_bf16, int64_t n)
     void socx_copy_ceiling(const socx_buffers *b)
+    socx_stats socx_adam_step_multi(const socx_buffers *bs, int count, const socx_hparams *h, double *sumsq)
+    void socx_copy_ceiling_multi(const socx_buffers *bs, int count)
+    void socx_set_dynamic_schedule(int on)
+    int socx_get_dynamic_schedule()
     void socx_set_num_threads(int n)
     void socx_set_store_policy(int policy)
     int socx_get_store_policy()
@@ -108,6 +113,44 @@ def step(int64_t n, addr p, addr m, addr v, addr g32, addr g16, addr p_out, addr
     with nogil:
         st = socx_adam_step(&b, &h)
     return st.sumsq, st.nonfinite != 0
+
+
+cdef socx_buffers *_fill_many(const int64_t[::1] a, int count) except NULL:
+    """a: 10 entries per tensor (n, p, m, v, g32, g16, p_out, m_out, v_out, p16_out)."""
+    cdef socx_buffers *bs = <socx_buffers *>malloc(max(count, 1) * sizeof(socx_buffers))
+    cdef int j
+    if bs == NULL:
+        raise MemoryError()
+    for j in range(count):
+        _fill(&bs[j], a[10 * j], <addr>a[10 * j + 1], <addr>a[10 * j + 2], <addr>a[10 * j + 3], <addr>a[10 * j + 4],
+              <addr>a[10 * j + 5], <addr>a[10 * j + 6], <addr>a[10 * j + 7], <addr>a[10 * j + 8], <addr>a[10 * j + 9])
+    return bs
+
+
+def step_multi(const int64_t[::1] a, int count, int64_t step, double lr, double beta1, double beta2, double eps,
+               double weight_decay, bint decoupled, double grad_scale):
+    cdef socx_buffers *bs = _fill_many(a, count)
+    cdef socx_hparams h = _hp(step, lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale)
+    cdef socx_stats st
+    with nogil:
+        st = socx_adam_step_multi(bs, count, &h, NULL)
+    free(bs)
+    return st.sumsq, st.nonfinite != 0
+
+
+def copy_ceiling_multi(const int64_t[::1] a, int count):
+    cdef socx_buffers *bs = _fill_many(a, count)
+    with nogil:
+        socx_copy_ceiling_multi(bs, count)
+    free(bs)
+
+
+def set_dynamic_schedule(bint on):
+    socx_set_dynamic_schedule(on)
+
+
+def get_dynamic_schedule():
+    return bool(socx_get_dynamic_schedule())
 
 
 def rollback(int64_t n, addr p, addr m, addr v, addr g32, addr g16, int64_t step, double lr, double beta1,

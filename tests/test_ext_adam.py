@@ -306,7 +306,7 @@ def test_ping_pong_undoes_a_non_finite_step():
 
 # ---------------------------------------------------------------- store policy (streaming stores)
 
-DEFAULT_STREAM_MIN = 1 << 17
+DEFAULT_STREAM_MIN = se.get_store_policy()[1]  # half the last-level cache / 28 B, at least 128K elements
 
 
 @pytest.fixture
@@ -425,6 +425,92 @@ def test_copy_ceiling_with_streaming_stores_copies_exactly(isa, off, isa_restore
         assert torch.equal(o16.view(torch.int16), (p.view(torch.int32) >> 16).to(torch.int16))
 
 
+@pytest.fixture
+def schedule_restored():
+    before = _adam.get_dynamic_schedule()
+    yield
+    _adam.set_dynamic_schedule(before)
+
+
+MULTI_SIZES = [0, 1, 17, 16384 + 5, 3 * 16384 + 17, DEFAULT_STREAM_MIN + 33, 1000]
+
+
+def multi_case(seed=0):
+    """Tensors of mixed sizes, grad dtypes, in-place / ping-pong, with and without a bf16 copy, some unaligned."""
+    cases = []
+    for j, n in enumerate(MULTI_SIZES):
+        p, g, m, v = make_state(n, seed=seed + j, grad_dtype=torch.bfloat16 if j % 2 else torch.float32)
+        pp = j % 3 != 0
+        outs = tuple(at_offset(n, j % 4) for _ in range(3)) if pp else (None, None, None)
+        o16 = at_offset(n, j % 4, torch.bfloat16) if j % 2 == 0 else None
+        cases.append((p, g, m, v, outs, o16))
+    return cases
+
+
+@pytest.mark.parametrize("isa", X86_ISAS)
+def test_multi_tensor_step_equals_single_calls_bitwise(isa, isa_restored, threads_restored, schedule_restored):
+    assert _adam.force_isa(isa)
+    hp = {**HP, "decoupled": False, "grad_scale": 0.5}
+    ref = []
+    for p, g, m, v, outs, o16 in multi_case():
+        p, m, v = p.clone(), m.clone(), v.clone()
+        po, mo, vo = (o.clone() if o is not None else None for o in outs)
+        r16 = o16.clone() if o16 is not None else None
+        st = se.adam_step(p, g, m, v, **hp, param_out=po, exp_avg_out=mo, exp_avg_sq_out=vo, param_bf16_out=r16)
+        ref.append(((po if po is not None else p), (mo if mo is not None else m), (vo if vo is not None else v), r16, st))
+    total = 0.0
+    for r in ref:
+        total += r[4][0]
+    for threads, dynamic in ((1, True), (2, True), (2, False)):
+        se.set_num_threads(threads)
+        _adam.set_dynamic_schedule(dynamic)
+        cases = multi_case()
+        ps, ms, vs = [c[0].clone() for c in cases], [c[2].clone() for c in cases], [c[3].clone() for c in cases]
+        st = se.adam_step_multi(ps, [c[1] for c in cases], ms, vs, **hp, params_out=[c[4][0] for c in cases],
+                                exp_avgs_out=[c[4][1] for c in cases], exp_avg_sqs_out=[c[4][2] for c in cases],
+                                params_bf16_out=[c[5] for c in cases])
+        assert st == (total, False), (threads, dynamic)
+        for j, (c, r) in enumerate(zip(cases, ref)):
+            got = [c[4][0] if c[4][0] is not None else ps[j], c[4][1] if c[4][1] is not None else ms[j],
+                   c[4][2] if c[4][2] is not None else vs[j], c[5]]
+            for x, y, what in zip(got, r[:4], ("param", "exp_avg", "exp_avg_sq", "bf16")):
+                if y is not None:
+                    assert_bitwise(x, y, f"tensor {j} {what} ({threads} threads, dynamic={dynamic})")
+
+
+def test_multi_tensor_step_flags_non_finite_and_checks_its_lists():
+    ps, gs, ms, vs = zip(*(make_state(n, seed=n) for n in (10, 20)))
+    gs[1][3] = float("inf")
+    assert se.adam_step_multi(list(ps), list(gs), list(ms), list(vs), **HP)[1] is True
+    with pytest.raises(ValueError, match="equal length"):
+        se.adam_step_multi(list(ps), list(gs[:1]), list(ms), list(vs), **HP)
+    with pytest.raises(ValueError, match="overlaps"):  # the same parameter twice: written twice
+        se.adam_step_multi([ps[0], ps[0]], [gs[0], gs[0]], [ms[0], ms[0].clone()], [vs[0], vs[0].clone()], **HP)
+    with pytest.raises(ValueError, match="overlaps"):  # tensor 0's output is tensor 1's input
+        se.adam_step_multi(list(ps), list(gs), list(ms), list(vs), **HP, exp_avgs_out=[ms[1][:10], None])
+    assert se.adam_step_multi([], [], [], [], **HP) == (0.0, False)
+
+
+def test_one_gradient_may_feed_several_tensors():
+    p0, g, m0, v0 = make_state(64, seed=1)
+    p1, m1, v1 = p0.clone(), m0.clone(), v0.clone()
+    se.adam_step_multi([p0, p1], [g, g], [m0, m1], [v0, v1], **HP)
+    assert_bitwise(p0, p1, "param")
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_copy_ceiling_multi_copies_exactly(dynamic, schedule_restored, stores_restored):
+    _adam.set_dynamic_schedule(dynamic)
+    se.set_store_policy("auto", 1024)
+    cases = multi_case(seed=3)
+    outs = [tuple(at_offset(c[0].numel(), 1) for _ in range(3)) for c in cases]
+    se._copy_ceiling_multi([c[0] for c in cases], [c[1] for c in cases], [c[2] for c in cases], [c[3] for c in cases],
+                           [o[0] for o in outs], [o[1] for o in outs], [o[2] for o in outs])
+    for c, o in zip(cases, outs):
+        for x, y in zip(o, (c[0], c[2], c[3])):
+            assert_bitwise(x, y, "ceiling copy")
+
+
 def test_store_policy_is_validated_and_reported(stores_restored):
     with pytest.raises(ValueError, match="store policy"):
         se.set_store_policy("nontemporal")
@@ -435,6 +521,7 @@ def test_store_policy_is_validated_and_reported(stores_restored):
     assert se.build_info()["store_policy"] == ("streaming", 4096)
     se.set_store_policy("auto", 0)
     assert se.get_store_policy() == ("auto", DEFAULT_STREAM_MIN)
+    assert DEFAULT_STREAM_MIN >= 1 << 17
 
 
 @pytest.mark.parametrize("decoupled", [True, False])

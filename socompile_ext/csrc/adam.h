@@ -57,6 +57,17 @@ typedef struct {
  * independent: parameters, state and the returned sum are bitwise identical for any thread count. */
 socx_stats socx_adam_step(const socx_buffers *b, const socx_hparams *h);
 
+/* The same step over `count` tensors with one set of hyper-parameters (one parameter group), in one
+ * parallel region: one fork/join for the whole list and the blocks of all tensors shared out among the
+ * threads. Each tensor's results are exactly those of socx_adam_step on it; sumsq (may be NULL) receives
+ * each tensor's sum of squares, and the returned sum adds them in tensor order. */
+socx_stats socx_adam_step_multi(const socx_buffers *bs, int count, const socx_hparams *h, double *sumsq);
+
+/* Block scheduling among the threads: 1 (default) dynamic chunks of blocks, 0 static contiguous ranges.
+ * Results do not depend on it (for measurements). */
+void socx_set_dynamic_schedule(int on);
+int socx_get_dynamic_schedule(void);
+
 /* Algebraic inverse of socx_adam_step on (p, m, v) in place, given the same gradient, hparams and step.
  * Computed in double; v clamped at >= 0. Not bitwise: see docs/kernel.md. Returns 0, or -1 when the
  * step cannot be inverted (beta1 == 0, beta2 == 0, or a decoupled decay factor of 0). */
@@ -68,10 +79,12 @@ socx_stats socx_grad_stats(const float *g_f32, const uint16_t *g_bf16, int64_t n
 /* Memory-traffic ceiling: reads p, g, m, v and writes p_out, m_out, v_out (and p_bf16_out when given)
  * with the same store policy as the step, and no floating-point arithmetic. For benchmarks only. */
 void socx_copy_ceiling(const socx_buffers *b);
+void socx_copy_ceiling_multi(const socx_buffers *bs, int count);  /* one parallel region, like the step's */
 
 /* Store policy for the outputs of the step and of the copy ceiling.
- * SOCX_STORES_AUTO (default): non-temporal (streaming) stores for outputs that are separate buffers of at
- *   least socx_stream_threshold() elements (ping-pong state, the bf16 parameter copy), regular stores
+ * SOCX_STORES_AUTO (default): non-temporal (streaming) stores for outputs that are separate buffers
+ *   (ping-pong state, the bf16 parameter copy) when the call touches at least socx_stream_threshold()
+ *   elements (default: half the last-level cache at 28 B per element, at least 128K), regular stores
  *   otherwise. A regular store to a line that is not in cache first reads the line (read-for-ownership).
  * SOCX_STORES_REGULAR: never stream. SOCX_STORES_STREAMING: stream every output at any size, in-place
  *   outputs included (for measurements). The policy changes no value, only how the bytes reach memory. */
@@ -81,7 +94,8 @@ int socx_get_store_policy(void);
 void socx_set_stream_threshold(int64_t n);  /* elements; <= 0 restores the default */
 int64_t socx_stream_threshold(void);
 
-/* The store choice a step (or ceiling pass) over these buffers would make now on the current ISA path:
+/* The store choice a single-tensor step (or ceiling pass) over these buffers would make now on the current
+ * ISA path (a multi-tensor call decides from the elements of the whole call):
  * bit 0: p/m/v outputs streamed; bit 1: bf16 parameter copy streamed. The unaligned head of every block
  * (up to the first 64-byte boundary of the outputs) and its tail always use regular stores. */
 int socx_stream_choice(const socx_buffers *b);
