@@ -83,6 +83,14 @@ class Options:
     keeps them while they fit and checkpoints or offloads layers when they do not), 'keep', 'recompute'
     (activation checkpointing: keep each layer's input, recompute the layer in backward) or 'offload' (saved
     tensors move to host memory in forward and back in backward), for every repeated layer."""
+    dp_degree: int = 1
+    """Data-parallel degree the plan is made for: ZeRO shards optimizer state and fp32 masters over dp x sp
+    ranks, gradients are reduce-scattered and updated weights all-gathered per bucket. Each rank traces its own
+    micro-batch."""
+    sp_degree: int = 1
+    """Ulysses sequence-parallel degree the plan is made for: each rank holds seq/sp tokens' activations and
+    computes attention for n_heads/sp heads, with all-to-alls around attention. The traced sequence is the
+    whole sequence; the planner divides token work and activations by sp_degree."""
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(Options)
@@ -112,6 +120,8 @@ class Options:
             raise OptionError(f"grad_link_dtype must be 'float32', 'bfloat16' or None, got {self.grad_link_dtype!r}")
         if self.activations not in ("auto", "keep", "recompute", "offload"):
             raise OptionError(f"activations must be 'auto', 'keep', 'recompute' or 'offload', got {self.activations!r}")
+        if self.dp_degree < 1 or self.sp_degree < 1:
+            raise OptionError(f"dp_degree and sp_degree must be >= 1, got {self.dp_degree} and {self.sp_degree}")
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
         if self.disable_passes:
             from .passes import known_pass_names

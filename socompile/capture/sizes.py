@@ -40,11 +40,56 @@ def tensor_bytes(value) -> int | sympy.Expr:
     return total
 
 
+def _cpu_attention_formulas() -> dict:
+    """torch's flop registry knows the CUDA SDPA kernels only; planning traces on the CPU, where attention is
+    ``_scaled_dot_product_flash_attention_for_cpu`` (and its backward). Without these it counted 0 FLOPs."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+    aten = torch.ops.aten
+
+    def fw(query, key, value, *args, out_val=None, **kwargs):
+        return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+    def bw(grad_out, query, key, value, *args, out_val=None, **kwargs):
+        return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+    out = {}
+    for name, formula in (("_scaled_dot_product_flash_attention_for_cpu", fw),
+                          ("_scaled_dot_product_flash_attention_for_cpu_backward", bw)):
+        if hasattr(aten, name):
+            out[getattr(aten, name)] = formula
+    return out
+
+
+_EXTRA_FORMULAS = _cpu_attention_formulas()
+
+
+def _causal_fraction(node, args, kwargs) -> object:
+    """Fraction of the (s_q x s_k) score matrix a causal attention kernel computes: (s+1)/(2s) for square
+    causal attention (FlashAttention skips the blocks above the diagonal), 1 otherwise. torch's formulas
+    count the full matrix."""
+    schema = getattr(getattr(node, "target", None), "_schema", None)
+    if schema is None:
+        return 1
+    names = [a.name for a in schema.arguments]
+    if "is_causal" not in names:
+        return 1
+    i = names.index("is_causal")
+    causal = kwargs.get("is_causal", args[i] if i < len(args) else False)
+    if causal is not True:
+        return 1
+    query = kwargs.get("query", args[names.index("query")] if "query" in names else None)
+    seq = to_expr(query.shape[-2]) if isinstance(query, torch.Tensor) else None
+    if seq is None:
+        return sympy.Rational(1, 2)
+    return sympy.Rational(1, 2) + sympy.Rational(1, 2) / seq if isinstance(seq, int) else (seq + 1) / (2 * seq)
+
+
 def node_flops(node) -> int | sympy.Expr:
-    """FLOPs of matmul/attention/convolution nodes via torch's own flop formulas; 0 for the rest."""
+    """FLOPs a kernel executes for matmul/attention/convolution nodes via torch's own flop formulas (causal
+    attention: the lower triangle only); 0 for the rest."""
     target = getattr(node, "target", None)
     packet = getattr(target, "overloadpacket", None)
-    formula = flop_registry.get(packet) or flop_registry.get(target)
+    formula = flop_registry.get(packet) or flop_registry.get(target) or _EXTRA_FORMULAS.get(packet)
     if formula is None:
         return 0
 
@@ -57,7 +102,14 @@ def node_flops(node) -> int | sympy.Expr:
         flops = formula(*args, **kwargs, out_val=node.meta.get("val"))
     except Exception:  # a formula that cannot read these args: count nothing rather than fail planning
         return 0
-    return to_expr(flops)
+    flops = to_expr(flops)
+    if "attention" in str(packet):
+        fraction = _causal_fraction(node, args, kwargs)
+        if fraction != 1:
+            flops = flops * fraction
+            if isinstance(flops, sympy.Expr) and flops.is_Number:
+                flops = int(flops)
+    return flops
 
 
 def free_symbols(value) -> set:

@@ -32,6 +32,20 @@ def layer_group(param: str) -> str:
     return m.group(1) if m else param.rsplit(".", 1)[0] if "." in param else param
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerCosts:
+    """One repeated layer group ('layers.3') as the activation policy sees it (bytes per rank)."""
+    name: str
+    fw_span: tuple[int, int]     # [first, stop) forward positions of its compute
+    bw_span: tuple[int, int]     # [first, stop) backward positions that read its saved tensors
+    saved: float                 # bytes of its forward tensors kept for the backward
+    saved_expr: object
+    boundary: float              # bytes of its input (kept when the layer is recomputed)
+    boundary_expr: object
+    fw_time: float               # seconds of its forward (the recompute cost)
+    bw_time: float               # seconds of the backward nodes in bw_span (hides its offload traffic)
+
+
 @dataclasses.dataclass
 class GraphCosts:
     fw_times: list[float]              # seconds per forward node, in execution order
@@ -51,6 +65,11 @@ class GraphCosts:
     max_layer_saved: float             # the largest layer's saved tensors (recomputed one layer at a time)
     max_layer_saved_expr: object
     layer_fw_time: float               # forward time of repeated layers (the recompute cost)
+    layers: tuple = ()                 # LayerCosts per repeated layer group, in forward order
+    fw_attention: tuple = ()           # forward positions of attention kernels (Ulysses all-to-alls around them)
+    bw_attention: tuple = ()
+    token_shard: int = 1               # sequence-parallel degree the per-rank numbers were divided by
+    attention_bytes: tuple = ()        # per forward attention: bytes of q, k, v and its output on one rank
 
     @property
     def fw_time(self) -> float:
@@ -72,8 +91,21 @@ def _sum(exprs) -> object:
     return sympy.Add(ints, *symbolic) if symbolic else ints
 
 
-def analyze(ir: IR, cost: CostModel) -> GraphCosts:
+def _scaled(expr, factor: int):
+    """bytes expression / factor (per-rank share of token-proportional bytes)."""
+    if factor == 1:
+        return expr
+    if isinstance(expr, (int, float)):
+        return expr / factor
+    return expr / factor
+
+
+def analyze(ir: IR, cost: CostModel, token_shard: int = 1) -> GraphCosts:
+    """Per-rank costs. ``token_shard`` (Ulysses sequence parallelism): each rank runs 1/token_shard of every
+    token-proportional node (all but the weights: token-wise ops on its seq/sp tokens, attention on all tokens
+    for n_heads/sp heads), so node FLOPs, bytes moved and activation bytes are divided by it."""
     g = ir.graph
+    shard = max(1, int(token_shard))
     nodes = g.nodes
     param_nodes = _param_aliases(ir)
 
@@ -87,13 +119,13 @@ def analyze(ir: IR, cost: CostModel) -> GraphCosts:
                 continue
             moved = cost.value(data["bytes"]) + sum(cost.value(nodes[p]["bytes"]) for p in g.predecessors(key))
             flops = cost.value(data["flops"])
-            out.append(float(cost.node_time(cls, flops, moved)))
+            out.append(float(cost.node_time(cls, flops / shard, moved / shard)))
         return out
 
     fw_times, bw_times = times(ir.fw_order), times(ir.bw_order)
-    fw_flops = sum(cost.value(nodes[k]["flops"]) for k in ir.fw_order)
-    bw_flops = sum(cost.value(nodes[k]["flops"]) for k in ir.bw_order)
-    flops_expr = _sum(nodes[k]["flops"] for k in (*ir.fw_order, *ir.bw_order))
+    fw_flops = sum(cost.value(nodes[k]["flops"]) for k in ir.fw_order) / shard
+    bw_flops = sum(cost.value(nodes[k]["flops"]) for k in ir.bw_order) / shard
+    flops_expr = _scaled(_sum(nodes[k]["flops"] for k in (*ir.fw_order, *ir.bw_order)), shard)
 
     def uses(readers: dict[str, list[str]]) -> dict[str, tuple[int, int]]:
         out = {}
@@ -106,16 +138,35 @@ def analyze(ir: IR, cost: CostModel) -> GraphCosts:
                 out[p] = (min(orders), max(orders))
         return out
 
-    peak, peak_expr, peak_at, saved_roots = _liveness(ir, cost, param_nodes)
+    peak, peak_expr, peak_at, saved_roots, first_bw_use, last_use = _liveness(ir, cost, param_nodes)
     saved_expr = _sum(nodes[r]["bytes"] for r in saved_roots)
-    ckpt_expr, layer_saved, layer_fw = _checkpoint_estimate(ir, cost, saved_roots, fw_times, param_nodes)
+    ckpt_expr, layer_saved, layer_fw, layers = _checkpoint_estimate(ir, cost, saved_roots, fw_times, param_nodes,
+                                                                    first_bw_use, last_use, bw_times)
     layer_max_expr = max(layer_saved.values(), key=cost.value, default=0)
+    if shard > 1:
+        peak, peak_expr = peak / shard, _scaled(peak_expr, shard)
+        saved_expr, ckpt_expr, layer_max_expr = (_scaled(e, shard) for e in (saved_expr, ckpt_expr, layer_max_expr))
+        layers = [dataclasses.replace(lc, saved=lc.saved / shard, saved_expr=_scaled(lc.saved_expr, shard),
+                                      boundary=lc.boundary / shard, boundary_expr=_scaled(lc.boundary_expr, shard))
+                  for lc in layers]
+    attention = {ph: tuple(i for i, k in enumerate(order) if nodes[k]["kind"] == "call_function"
+                           and op_class(nodes[k]["op"], nodes[k].get("is_view", False)) == "attention")
+                 for ph, order in (("fw", ir.fw_order), ("bw", ir.bw_order))}
+    attention_bytes = []
+    for pos in attention["fw"]:
+        key = ir.fw_order[pos]
+        inputs = [p for p in g.predecessors(key) if p not in param_nodes][:3]
+        qkv = sum(cost.value(nodes[p]["bytes"]) for p in inputs)
+        out = cost.value(nodes[inputs[0]]["bytes"]) if inputs else 0.0
+        attention_bytes.append((qkv + out) / shard)
     return GraphCosts(
         fw_times=fw_times, bw_times=bw_times, fw_flops=fw_flops, bw_flops=bw_flops, flops_expr=flops_expr,
         fw_uses=uses(ir.fw_readers), bw_uses=uses(ir.bw_readers), activation_peak=peak,
         activation_peak_expr=peak_expr, activation_peak_at=peak_at, saved_bytes=cost.value(saved_expr),
         saved_expr=saved_expr, checkpoint_bytes=cost.value(ckpt_expr), checkpoint_expr=ckpt_expr,
-        max_layer_saved=cost.value(layer_max_expr), max_layer_saved_expr=layer_max_expr, layer_fw_time=layer_fw)
+        max_layer_saved=cost.value(layer_max_expr), max_layer_saved_expr=layer_max_expr, layer_fw_time=layer_fw,
+        layers=tuple(layers), fw_attention=attention["fw"], bw_attention=attention["bw"], token_shard=shard,
+        attention_bytes=tuple(attention_bytes))
 
 
 def _param_aliases(ir: IR) -> set[str]:
@@ -165,11 +216,19 @@ def _liveness(ir: IR, cost: CostModel, weights: set[str]):
     boundary = len(ir.fw_order)
     saved = sorted((r for r, end in last.items() if r.startswith("fw:") and end >= boundary and r not in weights
                     and g.nodes[r]["kind"] != "output"), key=position.__getitem__)
-    return peak, expr, sequence[peak_pos], saved
+    saved_set = set(saved)
+    first_bw: dict[str, int] = {}
+    for key in ir.bw_order:
+        for p in g.predecessors(key):
+            r = root.get(p)
+            if r in saved_set and g.nodes[key]["kind"] != "output":
+                first_bw.setdefault(r, position[key])
+    return peak, expr, sequence[peak_pos], saved, first_bw, last
 
 
 def _checkpoint_estimate(ir: IR, cost: CostModel, saved_roots: list[str], fw_times: list[float],
-                         weights: set[str]):
+                         weights: set[str], first_bw_use: dict | None = None, last_use: dict | None = None,
+                         bw_times: list[float] | None = None):
     """Per-layer activation checkpointing, estimated: each repeated layer keeps only its input (the first
     non-weight input of its first weight-reading node); one layer's saved tensors are live while it is
     recomputed. Returns (kept bytes expr, saved bytes expr per layer, forward seconds of repeated layers)."""
@@ -179,7 +238,8 @@ def _checkpoint_estimate(ir: IR, cost: CostModel, saved_roots: list[str], fw_tim
     boundary: dict[str, object] = {}
     layer_time: dict[str, float] = {}
     for i, key in enumerate(ir.fw_order):
-        reads = g.nodes[key]["reads_params"]
+        data = g.nodes[key]
+        reads = data["reads_params"] if not data.get("is_view") and data["kind"] != "output" else ()
         if reads:
             group = layer_group(reads[0])
             if group != current and group not in boundary and re.search(r"\.\d+$", group):
@@ -196,9 +256,23 @@ def _checkpoint_estimate(ir: IR, cost: CostModel, saved_roots: list[str], fw_tim
         if group in boundary:
             per_layer.setdefault(group, []).append(g.nodes[r]["bytes"])
     saved_per_layer = {k: _sum(v) for k, v in per_layer.items()}
-    in_layers = _sum(saved_per_layer.values())
     not_in_layers = _sum(g.nodes[r]["bytes"] for r in saved_roots
                          if group_of_pos[position[r]] not in boundary)
     kept = _sum([not_in_layers, *boundary.values()])
-    del in_layers
-    return kept, saved_per_layer, sum(layer_time.values())
+    layers = []
+    n_fw = len(ir.fw_order)
+    bw_prefix = [0.0]
+    for t in bw_times or ():
+        bw_prefix.append(bw_prefix[-1] + t)
+    for name in boundary:   # insertion order = forward order
+        spots = [i for i, grp in enumerate(group_of_pos) if grp == name]
+        roots = [r for r in saved_roots if group_of_pos[position[r]] == name]
+        firsts = [first_bw_use[r] - n_fw for r in roots if first_bw_use and r in first_bw_use]
+        lasts = [last_use[r] - n_fw for r in roots if last_use and r in last_use]
+        bw_span = (min(firsts), max(lasts) + 1) if firsts and lasts else (0, 0)
+        bw_time = bw_prefix[bw_span[1]] - bw_prefix[bw_span[0]] if bw_times else 0.0
+        layers.append(LayerCosts(name=name, fw_span=(min(spots), max(spots) + 1), bw_span=bw_span,
+                                 saved=cost.value(saved_per_layer.get(name, 0)),
+                                 saved_expr=saved_per_layer.get(name, 0), boundary=cost.value(boundary[name]),
+                                 boundary_expr=boundary[name], fw_time=layer_time.get(name, 0.0), bw_time=bw_time))
+    return kept, saved_per_layer, sum(layer_time.values()), layers

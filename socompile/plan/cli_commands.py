@@ -29,6 +29,13 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                         help="training dtype of weights and activations on the target (default bfloat16)")
     parser.add_argument("--formulas", action="store_true",
                         help="trace batch and seq symbolically so memory is reported as formulas (slower trace)")
+    parser.add_argument("--activations", default=None, choices=("auto", "keep", "recompute", "offload"),
+                        help="per-layer activation policy (default auto: keep what fits, offload or recompute the rest)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel degree (ZeRO over dp x sp ranks)")
+    parser.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree (--seq is the whole "
+                        "sequence; each rank holds seq/sp tokens)")
+    parser.add_argument("--nodes", type=int, default=None,
+                        help="nodes the dp x sp ranks span (default: the profile's GPUs per node decide)")
 
 
 def _plan(args):
@@ -42,9 +49,42 @@ def _plan(args):
         options["gpu_buckets"] = args.gpu_buckets
     if args.budget:
         options["device_memory_budget"] = args.budget
+    if args.activations:
+        options["activations"] = args.activations
+    if args.dp != 1 or args.sp != 1:
+        options["dp_degree"], options["sp_degree"] = args.dp, args.sp
+    options["target"] = _target_for_nodes(args)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
-    return plan_model(args.model, batch=args.batch, seq=args.seq, options=options, dtype=dtype,
-                      symbolic=args.formulas, run_passes=False)
+    return plan_model(_model_factory(args.model, args.seq), batch=args.batch, seq=args.seq, options=options,
+                      dtype=dtype, symbolic=args.formulas, run_passes=False)
+
+
+def _model_factory(model: str, seq: int):
+    """A preset whose rotary tables cover ``seq`` (presets stop at 4096 positions); other models as given."""
+    from ..models.llama import PRESETS
+    if model in PRESETS and seq > PRESETS[model].max_seq_len:
+        from ..models import build
+        return lambda: build(model, max_seq_len=seq)
+    return model
+
+
+def _target_for_nodes(args) -> str:
+    """--nodes N: the profile with gpus_per_node = ceil(dp*sp / N), written to a temporary profile file (the
+    plan's target must be loadable by name or path, like every other target)."""
+    if not args.nodes:
+        return args.target
+    import dataclasses
+    import tempfile
+
+    from ..plan.hardware import get_profile, save_profile
+    hw = get_profile(args.target)
+    per_node = max(1, -(-(args.dp * args.sp) // args.nodes))
+    if per_node == hw.gpus_per_node:
+        return args.target
+    name = f"{hw.name}-x{per_node}"
+    path = pathlib.Path(tempfile.gettempdir()) / f"socompile-{name}.json"
+    save_profile(dataclasses.replace(hw, name=name, gpus_per_node=per_node), path)
+    return str(path)
 
 
 def _details(ctx):

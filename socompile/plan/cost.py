@@ -9,6 +9,8 @@ distinct size expressions costs a few hundred sympy evaluations.
     transfer time   = latency + bytes / link_bw(direction)
     CPU Adam time   = numel * bytes_per_param / cpu_adam_bw       (28 B/param fp32, 26 with bf16 grads, +2 bf16 copy)
     GPU Adam time   = numel * 30 / (hbm_bw * eff_mem)             (fused AdamW + bf16 weight copy, same streams)
+    collective time = steps * latency + bytes sent per rank / (group bandwidth per GPU * NET_EFFICIENCY)
+                      (ring reduce-scatter / all-gather: W-1 steps; all-to-all: 1 step, pairwise exchanges)
 """
 from __future__ import annotations
 
@@ -21,6 +23,10 @@ from .hardware import ADAM_BYTES_BF16_COPY, ADAM_BYTES_BF16_GRAD, ADAM_BYTES_FP3
 # forward+backward reaches ~50-60% (FlashAttention-3 paper, H100); elementwise kernels reach ~80% of HBM
 # bandwidth (STREAM-like copy kernels on H100).
 EFFICIENCY = {"matmul": 0.70, "attention": 0.55, "memory": 0.80, "free": 1.0}
+# Fraction of the per-GPU link bandwidth a large NCCL collective reaches (bus bandwidth / line rate). An assumed
+# round figure, not measured here: NCCL's own tests report bus bandwidths of roughly 80-90% of the line rate for
+# large messages on NVLink and InfiniBand.
+NET_EFFICIENCY = 0.80
 MATMUL_OPS = ("aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "aten.convolution", "aten._scaled_mm")
 FREE_OPS = ("placeholder", "output", "<built-in function getitem>", "getitem")
 
@@ -89,6 +95,20 @@ class CostModel:
             return 0
         bw = self.hw.h2d_bandwidth if direction == "h2d" else self.hw.d2h_bandwidth
         return self.hw.link_latency + nbytes / bw
+
+    def ring_time(self, nbytes_sent, group: int, stride: int = 1):
+        """Seconds of a ring reduce-scatter or all-gather in which each rank sends ``nbytes_sent``."""
+        if group <= 1 or nbytes_sent == 0:
+            return 0
+        bw = self.hw.group_bandwidth(group, stride) * NET_EFFICIENCY
+        return (group - 1) * self.hw.interconnect_latency + nbytes_sent / bw
+
+    def all_to_all_time(self, nbytes_sent, group: int, stride: int = 1):
+        """Seconds of an all-to-all in which each rank sends ``nbytes_sent`` (its (P-1)/P share) to its peers."""
+        if group <= 1 or nbytes_sent == 0:
+            return 0
+        bw = self.hw.group_bandwidth(group, stride) * NET_EFFICIENCY
+        return self.hw.interconnect_latency + nbytes_sent / bw
 
     def cpu_adam_time(self, numel, grad_dtype_bytes: int = 4, writes_bf16_copy: bool = False,
                       bandwidth_scale: float = 1.0):

@@ -36,6 +36,13 @@ class HardwareProfile:
     device_reserved: int = 2 * GB     # bytes of device memory not available to the plan (context, allocator slack)
     link_bandwidth_d2h: float = 0.0   # bytes/s device->host if different from link_bandwidth (0: same)
     source: str = ""                  # where the numbers come from (shown in reports)
+    # Between GPUs (data- and sequence-parallel collectives). Bandwidths are per GPU and per direction, as the
+    # datasheets' "bidirectional" figures halved; collectives reach NET_EFFICIENCY of them (cost.py).
+    gpus_per_node: int = 1            # GPUs that share the intra-node fabric
+    gpus_per_host: int = 1            # GPUs that share host_memory/host_cores/CPU Adam (1 on a Superchip)
+    intra_node_bandwidth: float = 0.0   # bytes/s per GPU per direction inside a node (NVLink/PCIe)
+    inter_node_bandwidth: float = 0.0   # bytes/s per GPU per direction between nodes (InfiniBand NIC share)
+    interconnect_latency: float = 10e-6   # seconds per collective step (launch + first byte), across nodes
 
     @property
     def adam_bandwidth(self) -> float:
@@ -55,6 +62,16 @@ class HardwareProfile:
     def d2h_bandwidth(self) -> float:
         return self.link_bandwidth_d2h or self.link_bandwidth
 
+    def group_bandwidth(self, group: int, stride: int = 1) -> float:
+        """Bytes/s per GPU per direction for a collective among ``group`` ranks whose ranks are ``stride``
+        apart (rank r sits on node r // gpus_per_node): the intra-node fabric when the whole group shares a
+        node, else the inter-node NIC share. 0 when the profile does not say."""
+        if group <= 1:
+            return float("inf")
+        span = (group - 1) * stride + 1
+        inside = span <= max(1, self.gpus_per_node) and self.gpus_per_node > 1
+        return self.intra_node_bandwidth if inside else (self.inter_node_bandwidth or self.intra_node_bandwidth)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -63,20 +80,36 @@ PROFILES: dict[str, HardwareProfile] = {
     # NVIDIA GH200 datasheet: 96 GB HBM3 at ~4 TB/s, H100 dense bf16 ~989 TFLOP/s, up to 480 GB LPDDR5X at
     # ~500 GB/s, 72 Neoverse V2 cores, NVLink-C2C 900 GB/s total = 450 GB/s per direction. CPU Adam: the
     # SuperOffload blog's GraceAdam, 8B params in 0.608 s at 28 B/param = 368 GB/s.
+    # Between Superchips: one GH200 per node (NVIDIA MGX GH200 servers; the paper's 8-GH200 runs are taken as 8
+    # such nodes), one ConnectX-7 NDR InfiniBand NIC per Superchip: 400 Gb/s = 50 GB/s per direction (NVIDIA
+    # ConnectX-7 / Quantum-2 NDR datasheets). Inside an NVLink domain (GH200 NVL2 / NVL32) the GPUs talk over
+    # fourth-generation NVLink, 900 GB/s bidirectional = 450 GB/s per direction per GPU (NVIDIA GH200 NVL32
+    # and Hopper architecture pages): set gpus_per_node (or --nodes) for such a system.
     "gh200": HardwareProfile("gh200", 96 * GB, 4.0e12, 989e12, 480 * GB, 500e9, 72, 450e9, 5e-6,
-                             cpu_adam_bandwidth=368e9, source="NVIDIA GH200 datasheet; SuperOffload blog"),
-    # GH200 with 144 GB HBM3e at ~4.9 TB/s (same Grace side).
+                             cpu_adam_bandwidth=368e9, source="NVIDIA GH200 datasheet; SuperOffload blog; "
+                             "ConnectX-7 NDR 400 Gb/s per Superchip; NVLink 4 900 GB/s per GPU",
+                             gpus_per_node=1, intra_node_bandwidth=450e9, inter_node_bandwidth=50e9),
+    # GH200 with 144 GB HBM3e at ~4.9 TB/s (same Grace side, same network).
     "gh200-144g": HardwareProfile("gh200-144g", 144 * GB, 4.9e12, 989e12, 480 * GB, 500e9, 72, 450e9, 5e-6,
-                                  cpu_adam_bandwidth=368e9, source="NVIDIA GH200 (HBM3e) datasheet"),
+                                  cpu_adam_bandwidth=368e9, source="NVIDIA GH200 (HBM3e) datasheet; ConnectX-7 NDR",
+                                  gpus_per_node=1, intra_node_bandwidth=450e9, inter_node_bandwidth=50e9),
     # H100 PCIe datasheet: 80 GB HBM2e at 2 TB/s, ~756 TFLOP/s dense bf16; PCIe Gen5 x16 64 GB/s per direction,
     # ~55 achieved. Host: a typical 2-socket server, 1 TB DDR5 at ~300 GB/s, 64 cores. CPU Adam: 58% of the
     # host bandwidth, DeepSpeed CPU-Adam's fraction on Grace in the blog (x86 AVX-512 reaches about the same).
+    # Between GPUs: 8 per server; H100 PCIe cards pair up with NVLink bridges (600 GB/s bidirectional) but the
+    # 8-GPU collective runs at the PCIe Gen5 rate through the host switches: ~55 GB/s per direction. One NDR
+    # 400 Gb/s NIC per GPU (a common rail-optimised build) = 50 GB/s per direction.
     "h100-pcie": HardwareProfile("h100-pcie", 80 * GB, 2.0e12, 756e12, 1000 * GB, 300e9, 64, 55e9, 10e-6,
-                                 cpu_adam_bandwidth=0.58 * 300e9, source="NVIDIA H100 PCIe datasheet; PCIe Gen5"),
+                                 cpu_adam_bandwidth=0.58 * 300e9, source="NVIDIA H100 PCIe datasheet; PCIe Gen5",
+                                 gpus_per_node=8, gpus_per_host=8, intra_node_bandwidth=55e9,
+                                 inter_node_bandwidth=50e9),
     # A100 PCIe datasheet: 80 GB HBM2e at ~1.9 TB/s, 312 TFLOP/s dense bf16; PCIe Gen4 x16 32 GB/s per
     # direction, ~25 achieved. Host: 2-socket DDR4 server, ~200 GB/s, 64 cores; CPU Adam at 58% as above.
+    # Between GPUs: 8 per server over PCIe Gen4 (~25 GB/s per direction); one HDR 200 Gb/s NIC per GPU = 25 GB/s.
     "a100-pcie": HardwareProfile("a100-pcie", 80 * GB, 1.9e12, 312e12, 1000 * GB, 200e9, 64, 25e9, 10e-6,
-                                 cpu_adam_bandwidth=0.58 * 200e9, source="NVIDIA A100 PCIe datasheet; PCIe Gen4"),
+                                 cpu_adam_bandwidth=0.58 * 200e9, source="NVIDIA A100 PCIe datasheet; PCIe Gen4",
+                                 gpus_per_node=8, gpus_per_host=8, intra_node_bandwidth=25e9,
+                                 inter_node_bandwidth=25e9),
 }
 
 THIS_MACHINE = "this-machine"
@@ -103,7 +136,8 @@ def profile_from_dict(data: dict, default_name: str = "user") -> HardwareProfile
     missing = [k for k in required if k not in data]
     if missing:
         raise ValueError(f"hardware profile {data['name']!r} misses {', '.join(missing)}")
-    for key in ("device_memory", "host_memory", "host_cores", "device_reserved"):
+    for key in ("device_memory", "host_memory", "host_cores", "device_reserved", "gpus_per_node",
+                "gpus_per_host"):
         if key in data:
             data[key] = int(data[key])
     for key, value in data.items():

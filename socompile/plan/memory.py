@@ -36,7 +36,9 @@ def _bytes(dtype: str) -> int:
 
 
 def device_memory(buckets: list[BucketPlan], weight_bytes: int, activations: float, activations_expr,
-                  unoptimized_numel: int, adaptive_flow: set[int] | None = None) -> MemoryEstimate:
+                  unoptimized_numel: int, adaptive_flow: set[int] | None = None, world: int = 1) -> MemoryEstimate:
+    """Per rank. With ``world`` ZeRO ranks, a device-site bucket keeps 1/world of its fp32 master and moments
+    (12 B/param / world) beside its whole gradient and compute weights; uploads carry one shard."""
     stationary = sum(b.numel for b in buckets if b.weight_mode == "stationary") + unoptimized_numel
     gpu_state = sum(b.numel for b in buckets if b.optimizer_site == "device")
     cpu = [b for b in buckets if b.optimizer_site == "cpu"]
@@ -45,9 +47,10 @@ def device_memory(buckets: list[BucketPlan], weight_bytes: int, activations: flo
     flow_buffers = (max((b.prefetch_distance for b in flow), default=0) + 1) * max(
         (b.numel * _bytes(b.param_link_dtype) for b in flow), default=0) if flow else 0
     upload = 2 * max((b.numel * 4 for b in cpu if b.weight_mode == "stationary" and b.cast_site == "device"
-                      and weight_bytes == 2), default=0)
+                      and weight_bytes == 2), default=0) // max(1, world)
     parts = (("activations", activations), ("stationary weights", stationary * weight_bytes),
-             ("GPU optimizer state", gpu_state * (12 + weight_bytes)), ("gradient staging", staging),
+             ("GPU optimizer state", gpu_state * 12 // max(1, world) + gpu_state * weight_bytes),
+             ("gradient staging", staging),
              ("weight-flow buffers", flow_buffers), ("upload staging", upload))
     fixed = int(sum(v for k, v in parts if k != "activations"))
     expr = sympy.Add(activations_expr, fixed) if not isinstance(activations_expr, (int, float)) \
@@ -56,23 +59,32 @@ def device_memory(buckets: list[BucketPlan], weight_bytes: int, activations: flo
                           host_total=0, host_pinned=0, host_parts=())
 
 
-def host_memory(buckets: list[BucketPlan], weight_bytes: int) -> tuple[int, int, tuple[tuple[str, int], ...]]:
-    """(total, pinned, parts) bytes of host memory."""
+def host_memory(buckets: list[BucketPlan], weight_bytes: int, world: int = 1, offloaded_activations: int = 0
+                ) -> tuple[int, int, tuple[tuple[str, int], ...]]:
+    """(total, pinned, parts) bytes of host memory of one rank. ZeRO over ``world`` ranks: each rank's CPU holds
+    the fp32 master, moments, ping-pong copies and gradient landing buffer of its 1/world shard of every CPU
+    bucket; a flowing bucket's bf16 weights are whole on every rank (each rank streams all of them).
+    ``offloaded_activations``: saved tensors of offloaded layers (pinned: they cross the link)."""
+    w = max(1, world)
     state = pingpong = landing = copies = master_pinned = 0
     for b in buckets:
         if b.optimizer_site != "cpu":
             continue
-        state += 12 * b.numel
+        shard = -(-b.numel // w)
+        state += 12 * shard
         if b.rollback == "exact":
-            pingpong += 12 * b.numel
-        landing += b.numel * _bytes(b.link_dtype)
-        if weight_bytes == 2 and (b.cast_site == "cpu" or b.weight_mode == "flow"):
+            pingpong += 12 * shard
+        landing += shard * _bytes(b.link_dtype)
+        if weight_bytes == 2 and b.weight_mode == "flow":
             copies += 2 * b.numel
+        elif weight_bytes == 2 and b.cast_site == "cpu":
+            copies += 2 * shard
         elif b.weight_mode == "stationary":
-            master_pinned += 4 * b.numel
+            master_pinned += 4 * shard
     parts = (("fp32 master + Adam moments", state), ("ping-pong copies (exact rollback)", pingpong),
-             ("gradient landing buffers", landing), ("bf16 weight copies", copies))
-    pinned = landing + copies + master_pinned
+             ("gradient landing buffers", landing), ("bf16 weight copies", copies),
+             ("offloaded activations", int(offloaded_activations)))
+    pinned = landing + copies + master_pinned + int(offloaded_activations)
     return sum(v for _, v in parts), pinned, parts
 
 
@@ -98,6 +110,8 @@ def runtime_device_bytes(plan, ir, align: int | None = None) -> dict:
         n = padded_numel([ir.params[p].numel for p in b.params], align)
         if b.optimizer_site == "device":
             state += 16 * n          # fp32 master, gradient, exp_avg, exp_avg_sq
+            if weight_bytes != 4:    # bf16/fp16 weights: a device copy cast from that master (runtime/flat_bucket.py)
+                stationary += n * weight_bytes
         if b.weight_mode == "flow":
             flow_bytes[b.index] = n * _bytes(b.param_link_dtype)
         elif b.optimizer_site != "device":

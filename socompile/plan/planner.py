@@ -77,6 +77,11 @@ class _Context:
     unoptimized_numel: int
     activations: float
     activations_expr: object
+    world: int = 1
+    dp: int = 1
+    sp: int = 1
+    choices: tuple = ()            # Plan.activations being planned for
+    offloaded_bytes: float = 0.0   # host bytes of offloaded layers' saved tensors (pinned)
 
 
 @dataclasses.dataclass
@@ -96,8 +101,11 @@ def plan(ir: IR, hw: HardwareProfile, options: Options, shapes: dict[str, int] |
 
 def plan_with_details(ir: IR, hw: HardwareProfile, options: Options,
                       shapes: dict[str, int] | None = None) -> PlanDetails:
+    dp, sp = options.dp_degree, options.sp_degree
+    world = dp * sp
+    hw = _per_rank_profile(hw, world)
     cost = CostModel(hw, {**ir.symbol_values, **(shapes or {})})
-    costs = analyze(ir, cost)
+    costs = analyze(ir, cost, token_shard=sp)
     order = [name for name in ir.grad_order() if ir.params[name].optimized]
     optimized = [ir.params[n] for n in order]
     weight_bytes = 2 if optimized and all(p.dtype in ("torch.bfloat16", "torch.float16") for p in optimized) else 4
@@ -107,23 +115,13 @@ def plan_with_details(ir: IR, hw: HardwareProfile, options: Options,
     budget = float(options.device_memory_budget if options.device_memory_budget is not None
                    else hw.device_memory - hw.device_reserved)
     ctx = _Context(ir, hw, options, cost, costs, weight_bytes, budget, unopt_numel, costs.activation_peak,
-                   costs.activation_peak_expr)
+                   costs.activation_peak_expr, world=world, dp=dp, sp=sp)
     decisions: list[str] = []
+    if world > 1:
+        decisions.append(_parallel_line(ctx))
 
     base = _base_buckets(ir, order, options.bucket_size, ctx, decisions)
-    recompute = "none"
-    forced = options.activations if options.activations != "auto" else None
-    if forced in ("recompute", "offload") or (forced is None and _min_device(ctx, base).device_peak > budget):
-        ckpt = costs.activation_peak - costs.saved_bytes + costs.checkpoint_bytes + costs.max_layer_saved
-        if ckpt < costs.activation_peak:
-            ctx.activations = ckpt
-            ctx.activations_expr = _expr_sub(costs.activation_peak_expr, costs.saved_expr, costs.checkpoint_expr,
-                                             costs.max_layer_saved_expr)
-            recompute = "layers"
-            decisions.append(f"activation checkpointing per layer: activations {costs.activation_peak / GB:.1f} GB "
-                             f"-> {ckpt / GB:.1f} GB (recompute adds {costs.layer_fw_time * 1e3:.1f} ms)")
-    if forced in ("recompute", "offload"):
-        recompute = "layers"
+    recompute = _activation_policy(ctx, base, decisions)
     minimum = _min_device(ctx, base)
     if minimum.device_peak > budget:
         raise PlanError(_infeasible_message(ctx, minimum, recompute))
@@ -142,15 +140,21 @@ def plan_with_details(ir: IR, hw: HardwareProfile, options: Options,
     buckets, host_total, host_pinned, host_parts = _rollback_modes(ctx, buckets, decisions)
     names = ctx.ir.symbol_names
     zero = simulate(_plan_of(ctx, buckets, recompute, ()), costs, cost, "zero-offload")
+    counts = {c: sum(1 for _, x in ctx.choices if x == c) for c in ("recompute", "offload")}
     predicted = (
         ("shapes", tuple(sorted((names.get(k, k), v) for k, v in cost.symbol_values.items()))),
         ("param_dtype_bytes", weight_bytes),
+        *_parallel_predictions(ctx),
         ("device_budget_bytes", int(budget)),
         ("device_peak_bytes", int(memory.device_peak)),
         ("device_peak_formula", _formula(memory.device_expr, names)),
         ("device_parts", tuple((k, int(v)) for k, v in memory.device_parts)),
         ("activations_bytes", int(ctx.activations)),
         ("activations_formula", _formula(ctx.activations_expr, names)),
+        ("activations_keep_layers", len(costs.layers) - counts["recompute"] - counts["offload"]),
+        ("activations_recompute_layers", counts["recompute"]),
+        ("activations_offload_layers", counts["offload"]),
+        ("activations_offloaded_bytes", int(ctx.offloaded_bytes)),
         ("host_bytes", int(host_total)),
         ("host_pinned_bytes", int(host_pinned)),
         ("host_parts", tuple((k, int(v)) for k, v in host_parts)),
@@ -166,7 +170,6 @@ def plan_with_details(ir: IR, hw: HardwareProfile, options: Options,
                                    stepped_s=round(times.get(b.index, (0.0, sim.step_time))[1], 6))
                for b in buckets]
     final = _plan_of(ctx, buckets, recompute, predicted, tuple(decisions), unoptimized)
-    final = dataclasses.replace(final, activations=_activation_choices(ir, forced or ("recompute" if recompute != "none" else "keep")))
     # What the runtime itself will hold on the device (weights, device optimizer state, flow buffers), walked
     # over the exact flow schedule: tests compare it with the runtime's measured peak byte for byte.
     runtime = runtime_device_bytes(final, ir)
@@ -179,20 +182,234 @@ def plan_with_details(ir: IR, hw: HardwareProfile, options: Options,
     return PlanDetails(final, cost, costs, sim, zero)
 
 
-def _activation_choices(ir: IR, choice: str) -> tuple[tuple[str, str], ...]:
-    """The same choice for every repeated layer group; () when every layer keeps its activations."""
-    if choice == "keep":
+def _per_rank_profile(hw: HardwareProfile, world: int) -> HardwareProfile:
+    """The share of a host one rank gets: ranks sharing one host (up to gpus_per_host) split its memory, cores
+    and CPU Adam bandwidth (a GH200 rank has a Grace of its own; 8 PCIe GPUs share a server)."""
+    share = max(1, min(world, hw.gpus_per_host))
+    if share == 1:
+        return hw
+    return dataclasses.replace(hw, host_memory=hw.host_memory // share, host_cores=max(1, hw.host_cores // share),
+                               cpu_adam_bandwidth=hw.adam_bandwidth / share,
+                               host_bandwidth=hw.host_bandwidth / share)
+
+
+def _parallel_line(ctx: _Context) -> str:
+    hw = ctx.hw
+    nodes = -(-ctx.world // max(1, hw.gpus_per_node))
+    sp_bw = hw.group_bandwidth(ctx.sp) if ctx.sp > 1 else 0
+    w_bw = hw.group_bandwidth(ctx.world)
+    return (f"parallel: dp {ctx.dp} x Ulysses sp {ctx.sp} = {ctx.world} ranks on {nodes} node(s) of "
+            f"{hw.gpus_per_node} GPU(s); per rank: seq/{ctx.sp} tokens' activations, 1/{ctx.world} of optimizer "
+            f"state (ZeRO); all-to-all at {sp_bw / 1e9:.0f} GB/s, reduce-scatter/all-gather at "
+            f"{w_bw / 1e9:.0f} GB/s per GPU per direction (x{_net_eff():.2f} achieved)")
+
+
+def _net_eff() -> float:
+    from .cost import NET_EFFICIENCY
+    return NET_EFFICIENCY
+
+
+def _parallel_predictions(ctx: _Context) -> tuple:
+    if ctx.world == 1:
         return ()
-    layers = sorted({layer_group(n) for n in ir.params if is_repeated_layer(n)},
-                    key=lambda g: [int(t) if t.isdigit() else t for t in g.split(".")])
-    return tuple((g, choice) for g in layers)
+    return (("dp_degree", ctx.dp), ("sp_degree", ctx.sp), ("world_size", ctx.world))
+
+
+def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
+    """Per repeated layer: keep, recompute or offload its saved activations (sets ctx.choices, ctx.activations,
+    ctx.offloaded_bytes; returns Plan.recompute).
+
+    Memory (per rank): activations = peak - sum(saved of non-kept layers) + sum(input of recomputed layers)
+    + the largest non-kept layer's saved tensors (live while it is recomputed or used) + the largest offloaded
+    layer's again (a window of two: one in use, the next one in flight). Cost: recompute = the layer's forward
+    (and its all-to-alls under Ulysses) again in backward; offload = the link time not hidden by the compute it
+    overlaps (the next layer's forward for the copy out, the previous backward for the copy in), host memory
+    (pinned) for its saved tensors. 'auto': keep the most layers that fit (the last ones: their backward comes
+    first), then offload where it is cheaper than recompute and host memory allows, recompute the rest."""
+    costs, cost = ctx.costs, ctx.cost
+    layers = list(costs.layers)
+    forced = ctx.options.activations
+    if not layers:
+        if forced in ("recompute", "offload"):
+            decisions.append(f"activations: {forced} requested but the graph has no repeated layers; kept")
+        return "none"
+    # The least the rest of the plan can take: every bucket on the CPU, every bucket that can stream (uses in
+    # one interval, _compact_buckets) streamed at distance 1, in bf16.
+    compact = _compact_buckets(ctx, base)
+    reachable = [dataclasses.replace(b, weight_mode="flow", prefetch_distance=1, cast_site="cpu",
+                                     param_link_dtype=_dtype_name(ctx.weight_bytes)) if b.index in compact else b
+                 for b in base]
+    fixed = _device(ctx, reachable).device_peak - ctx.activations
+    available = ctx.budget - fixed
+    room = _host_room(ctx, base)
+    n = len(layers)
+    a2a = {}
+    if ctx.sp > 1:
+        from .simulate import ulysses_bytes
+        per = ulysses_bytes(costs, ctx.sp)
+        for lc in layers:
+            sent = sum(b for pos, b in zip(costs.fw_attention, per) if lc.fw_span[0] <= pos < lc.fw_span[1])
+            a2a[lc.name] = float(cost.all_to_all_time(sent, ctx.sp))
+    rec_cost = {lc.name: lc.fw_time + a2a.get(lc.name, 0.0) for lc in layers}
+    off_cost, link = {}, {}
+    for i, lc in enumerate(layers):
+        out_t = float(cost.transfer_time(lc.saved, "d2h"))
+        in_t = float(cost.transfer_time(lc.saved, "h2d"))
+        hide_fw = layers[i + 1].fw_time if i + 1 < n else 0.0
+        hide_bw = layers[i + 1].bw_time if i + 1 < n else 0.0
+        link[lc.name] = (out_t, in_t, hide_fw, hide_bw)
+        off_cost[lc.name] = max(0.0, out_t - hide_fw) + max(0.0, in_t - hide_bw)
+
+    def assign(n_keep: int, max_offload: int) -> dict[str, str]:
+        choice = {lc.name: "keep" for lc in layers[n - n_keep:]}
+        others = sorted(layers[:n - n_keep], key=lambda lc: (-(rec_cost[lc.name] - off_cost[lc.name]),
+                                                             layers.index(lc)))
+        used, count = 0.0, 0
+        for lc in others:
+            if off_cost[lc.name] < rec_cost[lc.name] and used + lc.saved <= room and count < max_offload:
+                choice[lc.name] = "offload"
+                used += lc.saved
+                count += 1
+            else:
+                choice[lc.name] = "recompute"
+        return choice
+
+    if forced == "auto":
+        chosen = {lc.name: "keep" for lc in layers}
+        if _activation_bytes(ctx, chosen)[0] > available:
+            # Most layers kept first; for each count, the most offloads that still fit (an offloaded layer
+            # frees its input but the two-layer window costs device memory once, so fewer may fit better).
+            found = None
+            for n_keep in range(n - 1, -1, -1):
+                for max_offload in range(n - n_keep, -1, -1):
+                    trial = assign(n_keep, max_offload)
+                    if _activation_bytes(ctx, trial)[0] <= available:
+                        found = trial
+                        break
+                    if "offload" not in trial.values():
+                        break
+                if found:
+                    break
+            chosen = found or assign(0, 0)
+            if _activation_bytes(ctx, chosen)[0] >= costs.activation_peak:   # checkpointing saves nothing
+                chosen = {lc.name: "keep" for lc in layers}
+    else:
+        chosen = {lc.name: forced for lc in layers}
+        if forced == "offload":
+            need = sum(lc.saved for lc in layers)
+            if need > room:
+                raise PlanError(f"activations='offload' needs {need / GB:.1f} GB of host memory for the saved "
+                                f"activations of {n} layers but only {room / GB:.1f} GB is left after the "
+                                f"optimizer state ({ctx.hw.name}, {HOST_HEADROOM:.0%} usable); use "
+                                f"activations='auto' (offloads what fits, recomputes the rest) or 'recompute'")
+    act, expr, offloaded = _activation_bytes(ctx, chosen)
+    if all(c == "keep" for c in chosen.values()):
+        if forced == "keep":
+            decisions.append("activations: every layer keeps its activations (options.activations='keep')")
+        return "none"
+    ctx.activations, ctx.activations_expr, ctx.offloaded_bytes = act, expr, offloaded
+    ctx.choices = tuple((lc.name, chosen[lc.name]) for lc in layers)
+    decisions.append(_activation_line(ctx, layers, chosen, rec_cost, off_cost, link, available, room, forced))
+    return "layers"
+
+
+def _activation_bytes(ctx: _Context, chosen: dict[str, str]) -> tuple[float, object, float]:
+    """(device activation bytes, the same as a formula, host bytes offloaded) of a per-layer choice: the larger
+    of two moments.
+    - at the keep-everything peak (usually the loss backward): peak - saved of non-kept layers + inputs of
+      recomputed layers (+ the first offloaded layer coming back);
+    - during a non-kept layer's backward: saved tensors still kept (kept layers, tensors outside the layers)
+      + inputs of recomputed layers + that layer's saved tensors (recomputed or fetched) + the next offloaded
+      layer in flight + two layer-input-sized activation gradients."""
+    costs = ctx.costs
+    nonkeep = [lc for lc in costs.layers if chosen.get(lc.name, "keep") != "keep"]
+    if not nonkeep:
+        return costs.activation_peak, costs.activation_peak_expr, 0.0
+    recomputed = [lc for lc in nonkeep if chosen[lc.name] == "recompute"]
+    offloaded = [lc for lc in nonkeep if chosen[lc.name] == "offload"]
+    biggest = max(nonkeep, key=lambda lc: lc.saved)
+    in_flight = [max(offloaded, key=lambda lc: lc.saved)] if offloaded else []
+    widest = max(costs.layers, key=lambda lc: lc.boundary)
+    common = [-lc.saved_expr for lc in nonkeep] + [lc.boundary_expr for lc in recomputed] + \
+        [lc.saved_expr for lc in in_flight]
+    at_peak = [costs.activation_peak_expr] + common
+    in_layer = [costs.saved_expr] + common + [biggest.saved_expr, 2 * widest.boundary_expr]
+
+    def value(terms):
+        return sum(ctx.cost.value(t) if not isinstance(t, (int, float)) else t for t in terms)
+
+    terms = max((at_peak, in_layer), key=value)
+    if all(isinstance(t, (int, float)) for t in terms):
+        expr = sum(terms)
+    else:
+        expr = sympy.expand(sympy.Add(*[sympy.sympify(t) for t in terms]))
+    return value(terms), expr, float(sum(lc.saved for lc in offloaded))
+
+
+def _host_room(ctx: _Context, base) -> float:
+    """Host bytes left for offloaded activations once every bucket's optimizer state is on the CPU (exact
+    rollback if it fits, else the inverse) and every weight has a bf16 host copy (the most the plan can need)."""
+    limit = ctx.hw.host_memory * HOST_HEADROOM
+    flows = [dataclasses.replace(b, weight_mode="flow", prefetch_distance=1) for b in base]
+    need = host_memory(flows, ctx.weight_bytes, ctx.world)[0]
+    if need > limit:
+        need = host_memory([dataclasses.replace(b, rollback="inverse") for b in flows], ctx.weight_bytes,
+                           ctx.world)[0]
+    return max(0.0, limit - need)
+
+
+def _names_text(names: list[str]) -> str:
+    """['layers.0', 'layers.1', 'layers.2', 'layers.5'] -> 'layers.0..2,5'."""
+    if not names:
+        return "-"
+    nums, prefix = [], None
+    for name in names:
+        head, _, tail = name.rpartition(".")
+        if not tail.isdigit() or (prefix is not None and head != prefix):
+            return ",".join(names)
+        prefix = head
+        nums.append(int(tail))
+    runs, start = [], nums[0]
+    for a, b in zip(nums, nums[1:] + [None]):
+        if b != a + 1:
+            runs.append(f"{start}" if start == a else f"{start}..{a}")
+            start = b
+    return f"{prefix}." + ",".join(runs)
+
+
+def _activation_line(ctx, layers, chosen, rec_cost, off_cost, link, available, room, forced) -> str:
+    groups = {c: [lc for lc in layers if chosen[lc.name] == c] for c in ("keep", "offload", "recompute")}
+    parts = [f"keep {len(groups['keep'])} of {len(layers)} ({_names_text([lc.name for lc in groups['keep']])})"]
+    if groups["offload"]:
+        lc = max(groups["offload"], key=lambda x: x.saved)
+        out_t, in_t, hide_fw, hide_bw = link[lc.name]
+        parts.append(f"offload {len(groups['offload'])} ({_names_text([x.name for x in groups['offload']])}: "
+                     f"{lc.saved / GB:.2f} GB each way per layer, {out_t * 1e3:.1f} ms out under "
+                     f"{hide_fw * 1e3:.1f} ms of forward, {in_t * 1e3:.1f} ms in under {hide_bw * 1e3:.1f} ms of "
+                     f"backward: {off_cost[lc.name] * 1e3:.1f} ms exposed vs {rec_cost[lc.name] * 1e3:.1f} ms to "
+                     f"recompute; {ctx.offloaded_bytes / GB:.1f} GB pinned host memory of {room / GB:.1f} GB free)")
+    if groups["recompute"]:
+        lc = groups["recompute"][0]
+        why = ("options.activations='recompute'" if forced == "recompute" else
+               "host memory for offload used up" if off_cost[lc.name] < rec_cost[lc.name] and room < lc.saved
+               + ctx.offloaded_bytes else
+               f"offload is cheaper but its two-layer window ({2 * lc.saved / GB:.1f} GB) does not fit the device "
+               f"beside the other layers' inputs" if off_cost[lc.name] < rec_cost[lc.name] else
+               f"offload would expose {off_cost[lc.name] * 1e3:.1f} ms > {rec_cost[lc.name] * 1e3:.1f} ms")
+        parts.append(f"recompute {len(groups['recompute'])} ({_names_text([x.name for x in groups['recompute']])}: "
+                     f"+{rec_cost[lc.name] * 1e3:.1f} ms each in backward, keeps {lc.boundary / GB:.2f} GB input; "
+                     f"{why})")
+    source = f"options.activations={forced!r}" if forced != "auto" else (
+        f"auto: all-keep needs {ctx.costs.activation_peak / GB:.1f} GB, {available / GB:.1f} GB left for "
+        f"activations with every weight streamed")
+    return (f"activations: {', '.join(parts)}; device activations {ctx.activations / GB:.1f} GB ({source})")
 
 
 def _plan_of(ctx: _Context, buckets, recompute, predicted, decisions=(), unoptimized=()) -> Plan:
-    predicted = predicted or (("param_dtype_bytes", ctx.weight_bytes),)
+    predicted = predicted or (("param_dtype_bytes", ctx.weight_bytes), *_parallel_predictions(ctx))
     return Plan(target=ctx.hw.name, bucket_size=ctx.options.bucket_size, buckets=tuple(buckets),
                 unoptimized_params=tuple(unoptimized), predicted=tuple(predicted), recompute=recompute,
-                decisions=tuple(decisions))
+                decisions=tuple(decisions), activations=tuple(ctx.choices))
 
 
 def _base_buckets(ir: IR, order: list[str], bucket_size: int, ctx: _Context, decisions: list[str]):
@@ -226,7 +443,8 @@ def _base_buckets(ir: IR, order: list[str], bucket_size: int, ctx: _Context, dec
 
 
 def _device(ctx: _Context, buckets) -> MemoryEstimate:
-    return device_memory(buckets, ctx.weight_bytes, ctx.activations, ctx.activations_expr, ctx.unoptimized_numel)
+    return device_memory(buckets, ctx.weight_bytes, ctx.activations, ctx.activations_expr, ctx.unoptimized_numel,
+                         world=ctx.world)
 
 
 def _min_device(ctx: _Context, base) -> MemoryEstimate:
@@ -331,6 +549,12 @@ def _with_k(ctx: _Context, base, k: int, order_cache: dict):
             memory = _device(ctx, trial)
         if memory.device_peak <= ctx.budget:
             return trial, memory
+    if flow:   # the running estimate never reached the excess; the full set may still fit (staging shrinks too)
+        for dist in (_prefetch_distances(ctx, base, flow), {i: 1 for i in flow}):
+            trial = _apply_flow(ctx, buckets, flow, dist)
+            memory = _device(ctx, trial)
+            if memory.device_peak <= ctx.budget:
+                return trial, memory
     return None
 
 
@@ -387,6 +611,11 @@ def _choose_gpu_buckets(ctx: _Context, base, recompute: str, decisions: list[str
         candidates = sorted({*range(0, k_max + 1, step), k_max})
     for k in candidates:
         evaluate(k)
+    if all(v is None for v in results.values()):
+        raise PlanError(f"no placement of the {n} bucket(s) fits {ctx.budget / GB:.2f} GB of device memory beside "
+                        f"{ctx.activations / GB:.2f} GB of activations (buckets whose weights are read in two places, "
+                        f"e.g. tied embeddings, cannot stream); lower the sequence length or batch, or set "
+                        f"activations='recompute'")
     best_k = min((k for k in results if results[k] is not None), key=lambda k: (results[k][2].step_time, k))
     if k_max + 1 > FULL_SEARCH:   # refine around the best grid point
         step = max(1, k_max // FULL_SEARCH)
@@ -439,16 +668,20 @@ def _apply_pins(ctx: _Context, buckets, decisions: list[str]):
     return out
 
 
+def _host(ctx: _Context, buckets):
+    return host_memory(buckets, ctx.weight_bytes, ctx.world, int(ctx.offloaded_bytes))
+
+
 def _rollback_modes(ctx: _Context, buckets, decisions: list[str]):
     limit = ctx.hw.host_memory * HOST_HEADROOM
-    total, pinned, parts = host_memory(buckets, ctx.weight_bytes)
+    total, pinned, parts = _host(ctx, buckets)
     if total <= limit:
         return buckets, total, pinned, parts
     # Drop ping-pong copies, largest-numel CPU buckets first (ties: index), until host memory fits.
     out = list(buckets)
     for b in sorted((b for b in buckets if b.optimizer_site == "cpu"), key=lambda b: (-b.numel, b.index)):
         out[b.index] = dataclasses.replace(b, rollback="inverse")
-        total, pinned, parts = host_memory(out, ctx.weight_bytes)
+        total, pinned, parts = _host(ctx, out)
         if total <= limit:
             break
     inverse = sum(1 for b in out if b.rollback == "inverse")

@@ -13,6 +13,22 @@ The same builder replays three schedules on the same work (same graph times, sam
 - ``zero-offload``: every bucket on the CPU, all CPU steps after backward, bf16 over the link, casts on the CPU
   as separate passes, DeepSpeed CPU-Adam speed (58% vs GraceAdam's 74% of bandwidth, SuperOffload blog);
 - ``zero-infinity``: as zero-offload, and every weight streamed from CPU memory before each use (distance 1).
+
+Activations (``Plan.activations``, the same in every schedule): a recomputed layer runs its forward again on
+the GPU just before its backward (and, under Ulysses, its two all-to-alls); an offloaded layer's saved tensors
+go device->host after its forward and come back host->device before its backward, through a window of two
+layers (the forward of the layer two offloaded layers later waits for the copy; the fetch waits until the
+buffer of the layer two places earlier in backward is free).
+
+Several ranks (``dp_degree`` x ``sp_degree`` in ``Plan.predicted``): one rank is replayed; collectives run on
+``net:intra`` (NVLink/PCIe inside a node) or ``net:inter`` (the NIC) by the group they span. Ulysses: an
+all-to-all of q, k, v before each attention and of its output after it, in forward; dO before and dq, dk, dv
+after it in backward; each moves (sp-1)/sp of the local tensor and the compute waits for it. ZeRO: each bucket's
+gradients are reduce-scattered when ready, each rank steps its 1/W shard, and the updated weights are
+all-gathered, on the net lane, overlapping compute.
+
+Lanes ``h2d``, ``d2h`` and ``net:*`` serve transfers first-ready-first-served (several streams share one
+link); compute and CPU lanes run in issue order.
 """
 from __future__ import annotations
 
@@ -49,6 +65,7 @@ class SimResult:
     forward_end: float
     backward_end: float
     cpu_lanes: int = 1
+    comm_bytes: tuple = ()        # (kind, bytes per rank) of inter-GPU traffic: "ulysses", "zero"
 
     def busy(self, prefix: str) -> float:
         return sum(e - s for s, e, lane in zip(self.start, self.end, self.lane_of) if lane.startswith(prefix))
@@ -77,7 +94,33 @@ class SimResult:
                 "exposed_tail_s": round(self.exposed_tail, 6), "gpu_utilisation": round(self.gpu_utilisation, 4),
                 "mfu": round(self.mfu, 4), "tflops": round(self.tflops, 2),
                 "link_h2d_busy_s": round(self.busy("h2d"), 6), "link_d2h_busy_s": round(self.busy("d2h"), 6),
-                "cpu_adam_busy_s": round(self.busy("cpu") / self.cpu_lanes, 6)}
+                "cpu_adam_busy_s": round(self.busy("cpu") / self.cpu_lanes, 6),
+                "comm_busy_s": round(self.busy("net"), 6), "comm_exposed_s": round(self.exposed_comm, 6),
+                **{f"comm_{k}_bytes": int(v) for k, v in self.comm_bytes}}
+
+    @property
+    def exposed_comm(self) -> float:
+        """Seconds of collectives during which the GPU compute lane is idle (not hidden by compute)."""
+        gpu = sorted((s, e) for s, e, lane in zip(self.start, self.end, self.lane_of) if lane == "gpu")
+        net = sorted((s, e) for s, e, lane in zip(self.start, self.end, self.lane_of) if lane.startswith("net"))
+        if not net:
+            return 0.0
+        merged: list[list[float]] = []
+        for s, e in net:
+            if merged and s <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], e)
+            else:
+                merged.append([s, e])
+        covered = 0.0
+        j = 0
+        for s, e in merged:
+            while j < len(gpu) and gpu[j][1] <= s:
+                j += 1
+            k = j
+            while k < len(gpu) and gpu[k][0] < e:
+                covered += max(0.0, min(e, gpu[k][1]) - max(s, gpu[k][0]))
+                k += 1
+        return sum(e - s for s, e in merged) - covered
 
     def bucket_times(self) -> dict[int, tuple[float, float]]:
         """bucket index -> (gradients ready or sent, optimizer step finished) in seconds from step start."""
@@ -105,15 +148,55 @@ class _Builder:
         return len(self.tasks) - 1
 
 
+SHARED_LANES = ("h2d", "d2h", "net")
+
+
 def replay(tasks: list[Task]) -> tuple[list[float], list[float]]:
+    """Start and end of every task. In-order lanes (compute, CPU workers) run their tasks in issue order; a
+    shared lane (the link directions, the network) runs whichever issued task is ready first (ties: issue
+    order), like several streams feeding one DMA engine. Dependencies point at earlier-issued tasks."""
+    import heapq
+    n = len(tasks)
+    start = [0.0] * n
+    end = [0.0] * n
+    shared = [t.lane.startswith(SHARED_LANES) for t in tasks]
+    waiting = [len(t.deps) for t in tasks]
+    users: list[list[int]] = [[] for _ in range(n)]
+    for i, t in enumerate(tasks):
+        for d in t.deps:
+            users[d].append(i)
+    # In-order lanes: a task also waits for its lane predecessor.
+    lane_next: dict[int, int] = {}
+    last_on: dict[str, int] = {}
+    for i, t in enumerate(tasks):
+        if not shared[i]:
+            prev = last_on.get(t.lane)
+            if prev is not None:
+                lane_next[prev] = i
+                waiting[i] += 1
+            last_on[t.lane] = i
+    ready_at = [0.0] * n
     free: dict[str, float] = {}
-    start, end = [], []
-    for task in tasks:
-        t0 = max([free.get(task.lane, 0.0), *(end[d] for d in task.deps)])
-        t1 = t0 + task.duration
-        free[task.lane] = t1
-        start.append(t0)
-        end.append(t1)
+    heap = [(0.0, i) for i in range(n) if waiting[i] == 0]
+    heapq.heapify(heap)
+    done = 0
+    while heap:
+        key, i = heapq.heappop(heap)
+        t0 = max(ready_at[i], free.get(tasks[i].lane, 0.0))
+        if t0 > key:
+            heapq.heappush(heap, (t0, i))
+            continue
+        t1 = t0 + tasks[i].duration
+        start[i], end[i] = t0, t1
+        free[tasks[i].lane] = t1
+        done += 1
+        for u in users[i] + ([lane_next[i]] if i in lane_next else []):
+            ready_at[u] = max(ready_at[u], t1)
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(heap, (max(ready_at[u], free.get(tasks[u].lane, 0.0)), u))
+    if done != n:
+        raise ValueError("simulator: a task depends on a later one (cycle)")
     return start, end
 
 
@@ -124,6 +207,29 @@ def _segments(times: list[float], cuts: list[int]) -> list[tuple[int, int, float
     for t in times:
         prefix.append(prefix[-1] + t)
     return [(a, b, prefix[b] - prefix[a]) for a, b in zip(points, points[1:])]
+
+
+def parallel_degrees(plan: Plan) -> tuple[int, int]:
+    pred = dict(plan.predicted)
+    return max(1, int(pred.get("dp_degree", 1))), max(1, int(pred.get("sp_degree", 1)))
+
+
+def layer_choices(plan: Plan, costs: GraphCosts) -> dict[str, str]:
+    """Layer -> 'keep' | 'recompute' | 'offload'; a plan that says recompute='layers' without per-layer
+    choices (older plans) recomputes every repeated layer."""
+    if plan.activations:
+        return dict(plan.activations)
+    if plan_recompute(plan):
+        return {lc.name: "recompute" for lc in costs.layers}
+    return {}
+
+
+def ulysses_bytes(costs: GraphCosts, sp: int) -> list[float]:
+    """Per forward attention: bytes one rank sends in its all-to-alls (q, k, v before; out after), each moving
+    (sp-1)/sp of the rank's local tensor. Backward moves the same (dO before; dq, dk, dv after)."""
+    if sp <= 1:
+        return [0.0] * len(costs.fw_attention)
+    return [b * (sp - 1) / sp for b in costs.attention_bytes]
 
 
 def simulate(plan: Plan, costs: GraphCosts, cost: CostModel, schedule: str = "superoffload",
@@ -141,6 +247,8 @@ def simulate(plan: Plan, costs: GraphCosts, cost: CostModel, schedule: str = "su
     infinity = schedule == "zero-infinity"
     if schedule not in ("superoffload", "zero-offload", "zero-infinity"):
         raise ValueError(f"unknown schedule {schedule!r}")
+    dp, sp = parallel_degrees(plan)
+    world = dp * sp
     b = _Builder(lanes)
     adam_scale = (DEEPSPEED_ADAM_SCALE if baseline else 1.0) / lanes
     buckets = plan.buckets
@@ -148,30 +256,97 @@ def simulate(plan: Plan, costs: GraphCosts, cost: CostModel, schedule: str = "su
     flow = {bk.index for bk in buckets if (infinity or (not baseline and bk.weight_mode == "flow"))}
     distance = {bk.index: (1 if baseline else max(1, bk.prefetch_distance)) for bk in buckets}
     on_device = {bk.index for bk in buckets if not baseline and bk.optimizer_site == "device"}
-    recompute = 1.0 + (costs.layer_fw_time / costs.bw_time if plan_recompute(plan) and costs.bw_time else 0.0)
+    choices = layer_choices(plan, costs)
+    layers = [lc for lc in costs.layers if choices.get(lc.name, "keep") != "keep"]
+    sp_lane = "net:intra" if hw.group_bandwidth(sp) == hw.intra_node_bandwidth and hw.gpus_per_node > 1 \
+        else "net:inter"
+    dp_lane = "net:intra" if hw.group_bandwidth(world) == hw.intra_node_bandwidth and hw.gpus_per_node > 1 \
+        else "net:inter"
+    a2a = ulysses_bytes(costs, sp)
+    comm = {"ulysses": 0.0, "zero": 0.0}
 
     def first_use(bk, uses):
         found = [uses[p][0] for p in bk.params if p in uses]
         return min(found) if found else None
 
-    # ---- forward: flow buckets streamed in, in order of first use
-    def phase(times, uses, ready_cuts, scale, label):
+    def all_to_all(name, nbytes, deps):
+        comm["ulysses"] += nbytes
+        return b.add(name, sp_lane, cost.all_to_all_time(nbytes, sp), deps, "comm", nbytes)
+
+    # Hooks per phase: before[pos] -> callables(prev_segment) returning ids the segment at pos waits for;
+    # after[stop] -> callables(segment) returning ids the next segment waits for.
+    seg_end: dict[tuple[str, int], int] = {}
+    layer_index = {lc.name: i for i, lc in enumerate(costs.layers)}
+    offloaded = [lc for lc in layers if choices[lc.name] == "offload"]
+    offload_out: dict[str, int] = {}
+    fw_before: dict[int, list] = {}
+    fw_after: dict[int, list] = {}
+    bw_before: dict[int, list] = {}
+    bw_after: dict[int, list] = {}
+    fw_cuts: list[int] = []
+    bw_cuts: list[int] = []
+    if sp > 1:
+        fw_by_pos = dict(zip(costs.fw_attention, a2a))
+        bw_by_pos = dict(zip(costs.bw_attention, reversed(a2a)))
+        for pos, nbytes in fw_by_pos.items():
+            fw_cuts += [pos, pos + 1]
+            fw_before.setdefault(pos, []).append(
+                lambda prev, n=nbytes, p=pos: [all_to_all(f"fw a2a qkv @{p}", n * 0.75, [prev])])
+            fw_after.setdefault(pos + 1, []).append(
+                lambda seg, n=nbytes, p=pos: [all_to_all(f"fw a2a out @{p}", n * 0.25, [seg])])
+        for pos, nbytes in bw_by_pos.items():
+            bw_cuts += [pos, pos + 1]
+            bw_before.setdefault(pos, []).append(
+                lambda prev, n=nbytes, p=pos: [all_to_all(f"bw a2a dout @{p}", n * 0.25, [prev])])
+            bw_after.setdefault(pos + 1, []).append(
+                lambda seg, n=nbytes, p=pos: [all_to_all(f"bw a2a dqkv @{p}", n * 0.75, [seg])])
+    layer_a2a = {}
+    if sp > 1:
+        for lc in costs.layers:
+            layer_a2a[lc.name] = sum(n for pos, n in zip(costs.fw_attention, a2a) if lc.fw_span[0] <= pos < lc.fw_span[1])
+    for j, lc in enumerate(offloaded):
+        fw_cuts += [lc.fw_span[0], lc.fw_span[1]]
+        bw_cuts += [lc.bw_span[0], lc.bw_span[1]]
+
+        def out(seg, lc=lc):
+            offload_out[lc.name] = b.add(f"act out {lc.name}", "d2h", cost.transfer_time(lc.saved, "d2h"), [seg],
+                                         "transfer", lc.saved)
+            return []
+        fw_after.setdefault(lc.fw_span[1], []).append(out)
+        if j >= 2:   # two layers in flight: the layer two offloads later waits for this copy
+            fw_before.setdefault(lc.fw_span[0], []).append(
+                lambda prev, name=offloaded[j - 2].name: [offload_out.get(name)])
+
+        def fetch(prev, j=j, lc=lc):
+            gate = ("fw", -1) if j + 2 >= len(offloaded) else ("bw", offloaded[j + 2].bw_span[1])
+            return [b.add(f"act in {lc.name}", "h2d", cost.transfer_time(lc.saved, "h2d"),
+                          [seg_end.get(gate), offload_out.get(lc.name)], "transfer", lc.saved)]
+        bw_before.setdefault(lc.bw_span[0], []).append(fetch)
+    for lc in layers:
+        if choices[lc.name] != "recompute":
+            continue
+        bw_cuts.append(lc.bw_span[0])
+
+        def again(prev, lc=lc):
+            rec = b.add(f"recompute {lc.name}", "gpu", lc.fw_time, [prev], "compute")
+            if layer_a2a.get(lc.name):
+                rec = all_to_all(f"recompute a2a {lc.name}", layer_a2a[lc.name], [rec])
+            return [rec]
+        bw_before.setdefault(lc.bw_span[0], []).insert(0, again)
+    del layer_index
+
+    def phase(times, uses, extra_cuts, label, before, after):
         flow_uses = sorted((u, bk.index) for bk in buckets if bk.index in flow
                            for u in [first_use(bk, uses)] if u is not None)
-        cuts = [u for u, _ in flow_uses] + ready_cuts
+        cuts = [u for u, _ in flow_uses] + extra_cuts
         segs = _segments(times, cuts)
         seg_at = {s[0]: i for i, s in enumerate(segs)}
         seg_ids: list[int] = []
-        # Issue transfers first (they sit on their own lane), each gated by buffer reuse.
-        pending = []
-        for j, (u, idx) in enumerate(flow_uses):
-            pending.append((j, u, idx))
         transfer_ids: dict[int, int] = {}
         seg_task: dict[int, int] = {}
-        order = []
+        carry: list[int] = []
         for i, (a, stop, secs) in enumerate(segs):
-            # transfers whose buffer frees when this segment starts go out first
-            for j, u, idx in pending:
+            for j, (u, idx) in enumerate(flow_uses):
                 if j in transfer_ids:
                     continue
                 gate = flow_uses[j - distance[idx]][0] if j - distance[idx] >= 0 else None
@@ -180,19 +355,29 @@ def simulate(plan: Plan, costs: GraphCosts, cost: CostModel, schedule: str = "su
                     dep = seg_task.get(seg_at[gate] - 1) if gate is not None and seg_at[gate] > 0 else None
                     transfer_ids[j] = b.add(f"{label} prefetch b{idx}", "h2d",
                                             cost.transfer_time(bk.numel * 2, "h2d"), (dep,), "transfer", bk.numel * 2)
-            needs = [transfer_ids[j] for j, u, _ in pending if u == a]
-            deps = needs + ([seg_task[i - 1]] if i else [])
-            seg_task[i] = b.add(f"{label} [{a}:{stop})", "gpu", secs * scale, deps, "compute")
+            needs = [transfer_ids[j] for j, (u, _) in enumerate(flow_uses) if u == a]
+            prev = seg_task[i - 1] if i else (forward_last_box[0] if label == "bw" else None)
+            hooked: list[int] = []
+            for hook in before.get(a, ()):
+                hooked += [h for h in hook(prev) if h is not None]
+            deps = needs + ([prev] if prev is not None else []) + carry + hooked
+            seg_task[i] = b.add(f"{label} [{a}:{stop})", "gpu", secs, deps, "compute")
             seg_ids.append(seg_task[i])
-            order.append((a, stop))
+            seg_end[(label, stop)] = seg_task[i]
+            carry = []
+            for hook in after.get(stop, ()):
+                carry += [h for h in hook(seg_task[i]) if h is not None]
+        if carry:   # a hook after the last segment (e.g. the last all-to-all): the phase ends with it
+            seg_ids.append(b.add(f"{label} end", "gpu", 0.0, [seg_ids[-1], *carry], "compute"))
         return segs, seg_ids
 
-    fw_segs, fw_ids = phase(costs.fw_times, costs.fw_uses, [], 1.0, "fw")
+    forward_last_box = [None]
+    fw_segs, fw_ids = phase(costs.fw_times, costs.fw_uses, fw_cuts, "fw", fw_before, fw_after)
     forward_last = fw_ids[-1]
+    forward_last_box[0] = forward_last
+    seg_end[("fw", -1)] = forward_last
     ready_cuts = [bk.ready_position + 1 for bk in buckets]
-    bw_segs, bw_ids = phase(costs.bw_times, costs.bw_uses, ready_cuts, recompute, "bw")
-    # first backward segment waits for the forward
-    b.tasks[bw_ids[0]] = dataclasses.replace(b.tasks[bw_ids[0]], deps=b.tasks[bw_ids[0]].deps + (forward_last,))
+    bw_segs, bw_ids = phase(costs.bw_times, costs.bw_uses, ready_cuts + bw_cuts, "bw", bw_before, bw_after)
     backward_last = bw_ids[-1]
 
     def seg_ending_after(pos):
@@ -201,50 +386,70 @@ def simulate(plan: Plan, costs: GraphCosts, cost: CostModel, schedule: str = "su
                 return tid
         return backward_last
 
+    def reduce_scatter(bk, ready):
+        if world <= 1:
+            return ready
+        nbytes = bk.numel * grad_size * (world - 1) / world
+        comm["zero"] += nbytes
+        return b.add(f"reduce-scatter b{bk.index}", dp_lane, cost.ring_time(nbytes, world), [ready], "comm", nbytes)
+
+    def all_gather(bk, after):
+        if world <= 1:
+            return after
+        nbytes = bk.numel * grad_size * (world - 1) / world
+        comm["zero"] += nbytes
+        return b.add(f"all-gather b{bk.index}", dp_lane, cost.ring_time(nbytes, world), [after], "comm", nbytes)
+
     native = grad_size
     for bk in buckets:
         if bk.index in on_device:
             continue
-        ready = seg_ending_after(bk.ready_position)
-        link_bytes = bk.numel * (native if baseline else _dtype_bytes(bk.link_dtype))
+        shard = bk.numel / world
+        ready = reduce_scatter(bk, seg_ending_after(bk.ready_position))
+        link_bytes = shard * (native if baseline else _dtype_bytes(bk.link_dtype))
         deps = [ready]
-        if not baseline and link_bytes > bk.numel * native:   # upcast on the GPU before the copy
-            deps = [b.add(f"upcast g b{bk.index}", "gpu_aux", cost.gpu_cast_time(bk.numel, native, 4), [ready],
+        if not baseline and link_bytes > shard * native:   # upcast on the GPU before the copy
+            deps = [b.add(f"upcast g b{bk.index}", "gpu_aux", cost.gpu_cast_time(shard, native, 4), [ready],
                           "cast")]
         d2h = b.add(f"grads b{bk.index}", "d2h", cost.transfer_time(link_bytes, "d2h"), deps, "transfer", link_bytes)
         after = [d2h] + ([backward_last] if baseline or speculation == "off" else [])
         if baseline:   # DeepSpeed's CPU Adam needs fp32 gradients: a separate cast pass first
-            after = [b.add(f"cast g b{bk.index}", "cpu", cost.cpu_cast_time(bk.numel, native, 4) * lanes, after,
+            after = [b.add(f"cast g b{bk.index}", "cpu", cost.cpu_cast_time(shard, native, 4) * lanes, after,
                            "cast")]
         grad_bytes = 4 if baseline else _dtype_bytes(bk.link_dtype)
         writes_copy = (not baseline) and (bk.cast_site == "cpu" or bk.index in flow)
         adam = b.add(f"adam b{bk.index}", "cpu",
-                     cost.cpu_adam_time(bk.numel, grad_bytes, writes_copy, adam_scale), after, "adam")
+                     cost.cpu_adam_time(shard, grad_bytes, writes_copy, adam_scale), after, "adam")
         if not baseline and speculation == "redo":   # rolled back (free: ping-pong) and stepped again
             adam = b.add(f"redo adam b{bk.index}", "cpu",
-                         cost.cpu_adam_time(bk.numel, grad_bytes, writes_copy, adam_scale), [adam, backward_last],
+                         cost.cpu_adam_time(shard, grad_bytes, writes_copy, adam_scale), [adam, backward_last],
                          "adam")
         if bk.index in flow:
-            continue   # weights stay in host memory; next step streams the fresh bf16 copy
+            all_gather(bk, adam)   # every rank's host copy gets the other shards; next step streams it
+            continue
         if baseline:
-            cast = b.add(f"cast p b{bk.index}", "cpu", cost.cpu_cast_time(bk.numel) * lanes, [adam], "cast")
-            b.add(f"upload b{bk.index}", "h2d", cost.transfer_time(bk.numel * 2, "h2d"), [cast], "transfer",
-                  bk.numel * 2)
+            cast = b.add(f"cast p b{bk.index}", "cpu", cost.cpu_cast_time(shard) * lanes, [adam], "cast")
+            up = b.add(f"upload b{bk.index}", "h2d", cost.transfer_time(shard * 2, "h2d"), [cast], "transfer",
+                       shard * 2)
         elif bk.cast_site == "cpu":
-            b.add(f"upload b{bk.index}", "h2d", cost.transfer_time(bk.numel * 2, "h2d"), [adam], "transfer",
-                  bk.numel * 2)
+            up = b.add(f"upload b{bk.index}", "h2d", cost.transfer_time(shard * 2, "h2d"), [adam], "transfer",
+                       shard * 2)
         else:
-            up = b.add(f"upload b{bk.index}", "h2d", cost.transfer_time(bk.numel * 4, "h2d"), [adam], "transfer",
-                       bk.numel * 4)
-            b.add(f"cast p b{bk.index}", "gpu_aux", cost.gpu_cast_time(bk.numel), [up], "cast")
+            up = b.add(f"upload b{bk.index}", "h2d", cost.transfer_time(shard * 4, "h2d"), [adam], "transfer",
+                       shard * 4)
+            up = b.add(f"cast p b{bk.index}", "gpu_aux", cost.gpu_cast_time(shard), [up], "cast")
+        all_gather(bk, up)
     for bk in buckets:
         if bk.index in on_device:
-            b.add(f"gpu adam b{bk.index}", "gpu", cost.gpu_adam_time(bk.numel), [backward_last], "adam")
+            ready = reduce_scatter(bk, seg_ending_after(bk.ready_position))
+            step = b.add(f"gpu adam b{bk.index}", "gpu", cost.gpu_adam_time(bk.numel / world), [backward_last, ready],
+                         "adam")
+            all_gather(bk, step)
     start, end = replay(b.tasks)
     return SimResult(schedule=schedule, step_time=max(end), tasks=b.tasks, start=start, end=end,
                      lane_of=[t.lane for t in b.tasks], model_flops=costs.fw_flops + costs.bw_flops,
                      peak_flops=hw.device_bf16_flops, forward_end=end[forward_last], backward_end=end[backward_last],
-                     cpu_lanes=lanes)
+                     cpu_lanes=lanes, comm_bytes=tuple(sorted(comm.items())) if world > 1 else ())
 
 
 def _dtype_bytes(name: str) -> int:

@@ -9,16 +9,17 @@ import html
 
 from .table import plan_table
 
-COLORS = {"compute": "#4e79a7", "transfer": "#f28e2b", "adam": "#59a14f", "cast": "#b07aa1"}
+COLORS = {"compute": "#4e79a7", "transfer": "#f28e2b", "adam": "#59a14f", "cast": "#b07aa1", "comm": "#e15759"}
 LANE_TITLES = {"gpu": "GPU compute", "gpu_aux": "GPU cast stream", "h2d": "link host->device",
-               "d2h": "link device->host"}
+               "d2h": "link device->host", "net:intra": "GPU<->GPU in node", "net:inter": "GPU<->GPU network"}
 
 
 def _lanes(sim) -> list[str]:
     present = set(sim.lane_of)
     fixed = [lane for lane in ("gpu", "gpu_aux", "h2d", "d2h") if lane in present or lane in ("gpu", "h2d", "d2h")]
     cpus = sorted((lane for lane in present if lane.startswith("cpu")), key=lambda s: int(s[3:]))
-    return fixed + cpus
+    nets = sorted(lane for lane in present if lane.startswith("net"))
+    return fixed + nets + cpus
 
 
 def timeline_svg(sim, width: int = 1100, lane_height: int = 26, title: str = "") -> str:

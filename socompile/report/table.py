@@ -33,9 +33,20 @@ def human_formula(text: str) -> str:
     return " + ".join(terms)
 
 
-def _signature(buckets: list[BucketPlan]) -> tuple:
+def _signature(buckets: list[BucketPlan], activation: str = "-") -> tuple:
     return tuple((b.numel, b.optimizer_site, b.weight_mode, b.prefetch_distance, b.cast_site, b.link_dtype,
-                  b.rollback) for b in buckets)
+                  b.rollback) for b in buckets) + (activation,)
+
+
+def _activation_of(plan: Plan, group: str) -> str:
+    """The activation choice of a row's layer group ('-' for groups outside the repeated layers)."""
+    choices = dict(plan.activations)
+    if not choices:
+        return "keep" if re.search(r"\.\d+", group) else "-"
+    for name in re.findall(r"[\w.]*?\.\d+", group):
+        if name in choices:
+            return choices[name]
+    return "-"
 
 
 def _groups(plan: Plan) -> list[tuple[str, list[BucketPlan]]]:
@@ -46,22 +57,24 @@ def _groups(plan: Plan) -> list[tuple[str, list[BucketPlan]]]:
     return list(groups.items())
 
 
-def _collapse(groups):
-    """Merge consecutive groups 'prefix.N' with identical bucket signatures into 'prefix.A..B xK'."""
+def _collapse(groups, plan: Plan | None = None):
+    """Merge consecutive groups 'prefix.N' with identical bucket signatures (and activation choice) into
+    'prefix.A..B xK'."""
     out = []
     for name, buckets in groups:
         m = re.fullmatch(r"(.*\.)(\d+)", name)
+        act = _activation_of(plan, name) if plan is not None else "-"
         if out and m:
             last = out[-1]
-            if last["prefix"] == m.group(1) and last["sig"] == _signature(buckets) \
+            if last["prefix"] == m.group(1) and last["sig"] == _signature(buckets, act) \
                     and int(m.group(2)) == last["end"] + 1:
                 last["end"] = int(m.group(2))
                 last["count"] += 1
                 last["buckets"] += buckets
                 continue
         out.append({"name": name, "prefix": m.group(1) if m else None, "start": int(m.group(2)) if m else None,
-                    "end": int(m.group(2)) if m else None, "count": 1, "sig": _signature(buckets),
-                    "buckets": list(buckets), "first": buckets})
+                    "end": int(m.group(2)) if m else None, "count": 1, "sig": _signature(buckets, act),
+                    "buckets": list(buckets), "first": buckets, "activations": act})
     return out
 
 
@@ -83,15 +96,16 @@ def _row(entry) -> tuple[str, ...]:
     idx = sorted(b.index for b in entry["buckets"])
     buckets = f"{idx[0]}" if len(idx) == 1 else f"{idx[0]}-{idx[-1]}"
     return (label, buckets, f"{per_layer / 1e6:.1f}M", human_bytes(per_layer * 16), sites, modes,
-            str(dist) if dist else "-", cast, link, rollback, f"{ready * 1e3:.1f}", f"{done * 1e3:.1f}")
+            str(dist) if dist else "-", cast, link, rollback, entry.get("activations", "-"), f"{ready * 1e3:.1f}",
+            f"{done * 1e3:.1f}")
 
 
 def plan_table(plan: Plan, bw_length: int | None = None) -> str:
     """Per layer group: parameters, model-state bytes, where its optimizer runs, weight mode, prefetch distance,
     cast site and link dtypes (grads>weights), rollback mode, and when its gradients go / its step ends (ms)."""
     header = ("layers", "buckets", "params/layer", "state/layer", "optimizer", "weights", "prefetch", "cast",
-              "link g>w", "rollback", "grads ms", "stepped ms")
-    rows = [_row(e) for e in _collapse(_groups(plan))]
+              "link g>w", "rollback", "activations", "grads ms", "stepped ms")
+    rows = [_row(e) for e in _collapse(_groups(plan), plan)]
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     pred = dict(plan.predicted)
     lines = [f"socompile plan for target {plan.target}: {len(plan.buckets)} bucket(s), "
@@ -115,8 +129,14 @@ def _summary(plan: Plan, pred: dict) -> list[str]:
         out.append(f"device peak: {human_bytes(pred['device_peak_bytes'])} of {human_bytes(pred['device_budget_bytes'])}"
                    f"  = {human_formula(pred['device_peak_formula'])}")
         out.append("  " + ", ".join(f"{k} {human_bytes(v)}" for k, v in pred.get("device_parts", ()) if v))
+        per_layer = ""
+        if plan.activations:
+            per_layer = (f"; layers: keep {pred.get('activations_keep_layers', 0)}, recompute "
+                         f"{pred.get('activations_recompute_layers', 0)}, offload "
+                         f"{pred.get('activations_offload_layers', 0)} "
+                         f"({human_bytes(pred.get('activations_offloaded_bytes', 0))} to host)")
         out.append(f"activations: {human_bytes(pred['activations_bytes'])} = {human_formula(pred['activations_formula'])}"
-                   f" (checkpointing: {plan.recompute})")
+                   f" (checkpointing: {plan.recompute}{per_layer})")
         out.append(f"host memory: {human_bytes(pred['host_bytes'])}, pinned {human_bytes(pred['host_pinned_bytes'])}"
                    f"  (" + ", ".join(f"{k} {human_bytes(v)}" for k, v in pred.get("host_parts", ()) if v) + ")")
     if "step_time_s" in pred:
@@ -124,6 +144,12 @@ def _summary(plan: Plan, pred: dict) -> list[str]:
                    f"{pred['backward_s'] * 1e3:.1f}, exposed optimizer tail {pred['exposed_tail_s'] * 1e3:.1f}); "
                    f"GPU busy {pred['gpu_utilisation'] * 100:.0f}%, {pred['tflops']:.0f} TFLOP/s, MFU "
                    f"{pred['mfu'] * 100:.0f}%")
+        if pred.get("world_size", 1) > 1:
+            out.append(f"per rank (dp {pred['dp_degree']} x sp {pred['sp_degree']}): collectives "
+                       f"{human_bytes(pred.get('comm_ulysses_bytes', 0))} Ulysses all-to-all + "
+                       f"{human_bytes(pred.get('comm_zero_bytes', 0))} ZeRO reduce-scatter/all-gather sent, "
+                       f"{pred.get('comm_busy_s', 0) * 1e3:.1f} ms on the network, "
+                       f"{pred.get('comm_exposed_s', 0) * 1e3:.1f} ms of it not hidden by compute")
         out.append(f"ZeRO-Offload on the same work: {pred['zero_offload_step_time_s'] * 1e3:.1f} ms "
                    f"(SuperOffload plan {pred['speedup_vs_zero_offload']:.2f}x faster)")
     out += [f"decision: {d}" for d in plan.decisions]
