@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 BYTES_PER_PARAM = 28
+PREFETCH_ROW = 1024  # elements ahead for the "prefetch" rows (4 KiB of each fp32 stream)
 HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
@@ -87,6 +88,21 @@ def with_stores(policy, run):
             run()
         finally:
             se.set_store_policy("auto")
+
+    return wrapped
+
+
+def with_prefetch(elems, run):
+    """Run a method with the AVX-512 path's software prefetch of the input streams `elems` elements ahead."""
+    from socompile_ext import _adam
+
+    def wrapped():
+        before = _adam.get_prefetch()
+        _adam.set_prefetch(elems)
+        try:
+            run()
+        finally:
+            _adam.set_prefetch(before)
 
     return wrapped
 
@@ -265,6 +281,9 @@ def main():
     ap.add_argument("--methods", default="",
                     help="';'-separated method names to keep (a trailing * matches a prefix), e.g. "
                          "\"ours in-place;ours ping-pong;torch fused;ceiling*\"")
+    ap.add_argument("--extra", action="store_true",
+                    help="also the rows of experiments that did not become defaults: static block schedule, software "
+                         "prefetch of the input streams")
     ap.add_argument("--quiet-wait", type=float, default=0.0,
                     help="before each round wait up to this many seconds for the CPUs to be >= 85%% idle (a shared "
                          "machine); the report says how many rounds started quiet")
@@ -302,7 +321,7 @@ def main():
     ceil = lambda pp, pol="auto": lambda pr: with_stores(pol, make_ceiling(pr, pp))  # noqa: E731
     methods = [("ours in-place", ours(False)), ("ours in-place, streaming", ours(False, "streaming")),
                ("ours in-place, 1 call per tensor", lambda pr: make_ours(pr, False, per_tensor_calls=True)),
-               ("ours in-place, static schedule", lambda pr: with_static_schedule(make_ours(pr, False))),
+
                ("ours ping-pong", ours(True)), ("ours ping-pong, regular", ours(True, "regular")),
                ("torch fused", lambda pr: make_torch(pr, "fused"))]
     if not args.no_foreach:
@@ -310,7 +329,14 @@ def main():
     if not ds_reason:
         methods.append(("deepspeed", make_deepspeed))
     methods += [("ceiling in-place", ceil(False)), ("ceiling in-place, streaming", ceil(False, "streaming")),
+
                 ("ceiling ping-pong", ceil(True)), ("ceiling ping-pong, regular", ceil(True, "regular"))]
+    if args.extra:  # experiments that did not become defaults (see docs/kernel.md)
+        methods += [("ours in-place, static schedule", lambda pr: with_static_schedule(make_ours(pr, False))),
+                    ("ours in-place, prefetch", lambda pr: with_prefetch(PREFETCH_ROW, make_ours(pr, False))),
+                    ("ours ping-pong, prefetch", lambda pr: with_prefetch(PREFETCH_ROW, make_ours(pr, True))),
+                    ("ceiling in-place, prefetch", lambda pr: with_prefetch(PREFETCH_ROW, make_ceiling(pr, False))),
+                    ("ceiling ping-pong, prefetch", lambda pr: with_prefetch(PREFETCH_ROW, make_ceiling(pr, True)))]
     if args.methods:
         keep = [w.strip() for w in args.methods.split(";") if w.strip()]
         methods = [(name, make) for name, make in methods
@@ -372,6 +398,11 @@ RATIOS = [  # (label, numerator method, denominator method): > 1 means the denom
     ("ours, 1 call per tensor vs DeepSpeedCPUAdam", "deepspeed", "ours in-place, 1 call per tensor"),
     ("one multi-tensor call vs 1 call per tensor", "ours in-place, 1 call per tensor", "ours in-place"),
     ("dynamic vs static block schedule", "ours in-place, static schedule", "ours in-place"),
+    ("software prefetch vs none, in-place", "ours in-place", "ours in-place, prefetch"),
+    ("software prefetch vs none, ping-pong", "ours ping-pong", "ours ping-pong, prefetch"),
+    ("software prefetch vs none, ceiling in-place", "ceiling in-place", "ceiling in-place, prefetch"),
+    ("software prefetch vs none, ceiling ping-pong", "ceiling ping-pong", "ceiling ping-pong, prefetch"),
+    ("ping-pong with prefetch vs in-place with prefetch", "ours in-place, prefetch", "ours ping-pong, prefetch"),
     ("ping-pong vs in-place (ours)", "ours in-place", "ours ping-pong"),
     ("ping-pong vs in-place (ceiling)", "ceiling in-place", "ceiling ping-pong"),
     ("ping-pong: streaming (auto) vs regular stores", "ours ping-pong, regular", "ours ping-pong"),

@@ -33,6 +33,8 @@ cdef extern from "adam.h" nogil:
     socx_stats socx_adam_step_multi(const socx_buffers *bs, int count, const socx_hparams *h, double *sumsq)
     void socx_copy_ceiling_multi(const socx_buffers *bs, int count)
     void socx_set_dynamic_schedule(int on)
+    void socx_set_prefetch(int64_t elems)
+    int64_t socx_get_prefetch()
     int socx_get_dynamic_schedule()
     void socx_set_num_threads(int n)
     void socx_set_store_policy(int policy)
@@ -143,6 +145,14 @@ def copy_ceiling_multi(const int64_t[::1] a, int count):
     with nogil:
         socx_copy_ceiling_multi(bs, count)
     free(bs)
+
+
+def set_prefetch(int64_t elems):
+    socx_set_prefetch(elems)
+
+
+def get_prefetch():
+    return socx_get_prefetch()
 
 
 def set_dynamic_schedule(bint on):

@@ -511,6 +511,26 @@ def test_copy_ceiling_multi_copies_exactly(dynamic, schedule_restored, stores_re
             assert_bitwise(x, y, "ceiling copy")
 
 
+@pytest.mark.parametrize("isa", X86_ISAS)
+def test_software_prefetch_changes_no_bits(isa, isa_restored, stores_restored):
+    assert _adam.force_isa(isa)
+    n = 3 * 16384 + 17
+    p0, g, m0, v0 = make_state(n, seed=12)
+    ref = in_place_regular(p0, g, m0, v0, {})
+    _adam.set_prefetch(1000)
+    try:
+        assert _adam.get_prefetch() == 1008  # rounded up to whole vectors
+        se.set_store_policy("auto", 1024)
+        outs = [at_offset(n, 2) for _ in range(3)]
+        stats = se.adam_step(p0.clone(), g, m0.clone(), v0.clone(), **HP, param_out=outs[0], exp_avg_out=outs[1],
+                             exp_avg_sq_out=outs[2])
+    finally:
+        _adam.set_prefetch(0)
+    for x, y in zip(outs, ref[:3]):
+        assert_bitwise(x, y, "state with prefetch")
+    assert stats == ref[4]
+
+
 def test_store_policy_is_validated_and_reported(stores_restored):
     with pytest.raises(ValueError, match="store policy"):
         se.set_store_policy("nontemporal")

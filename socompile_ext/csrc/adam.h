@@ -100,6 +100,11 @@ int64_t socx_stream_threshold(void);
  * (up to the first 64-byte boundary of the outputs) and its tail always use regular stores. */
 int socx_stream_choice(const socx_buffers *b);
 
+/* AVX-512 path: software prefetch of the four input streams this many elements ahead (0, the default: off;
+ * for measurements). */
+void socx_set_prefetch(int64_t elems);
+int64_t socx_get_prefetch(void);
+
 /* Threads used by the kernels (default: OpenMP's max threads at first use). */
 void socx_set_num_threads(int n);
 int socx_get_num_threads(void);

@@ -117,7 +117,16 @@ AI double step_impl(const socx_buffers *b, const socx_consts *c, int64_t i0, int
             i += h;
         }
     }
-    for (; i + 16 <= i1; i += 16) step16(b, c, i, 0xFFFF, 1, GBF16, OUT16, STREAM, &acc_lo, &acc_hi);
+    const int64_t pf = c->prefetch;
+    for (; i + 16 <= i1; i += 16) {
+        if (pf) {  /* software prefetch of the input streams, pf elements ahead (off by default) */
+            _mm_prefetch((const char *)(b->p_in + i + pf), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b->m_in + i + pf), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b->v_in + i + pf), _MM_HINT_T0);
+            _mm_prefetch(GBF16 ? (const char *)(b->g_bf16 + i + pf) : (const char *)(b->g_f32 + i + pf), _MM_HINT_T0);
+        }
+        step16(b, c, i, 0xFFFF, 1, GBF16, OUT16, STREAM, &acc_lo, &acc_hi);
+    }
     if (i < i1) {
         __mmask16 k = (__mmask16)((1u << (i1 - i)) - 1u);
         step16(b, c, i, k, 0, GBF16, OUT16, STREAM, &acc_lo, &acc_hi);
@@ -165,8 +174,15 @@ void socx_copy_avx512(const socx_buffers *b, const socx_consts *c, int64_t i0, i
     /* with streaming, the first vector covers only the head up to the 64-byte boundary (regular stores) */
     int64_t i = i0, step = any_stream ? socx_stream_head(c, i0, i1) : 16;
     if (step == 0) step = 16;
+    const int64_t pf = c->prefetch;
     for (; i < i1; i += step, step = 16) {
         const int64_t len = step < i1 - i ? step : i1 - i;
+        if (pf) {
+            _mm_prefetch((const char *)(b->p_in + i + pf), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b->m_in + i + pf), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b->v_in + i + pf), _MM_HINT_T0);
+            _mm_prefetch(b->g_f32 ? (const char *)(b->g_f32 + i + pf) : (const char *)(b->g_bf16 + i + pf), _MM_HINT_T0);
+        }
         const int full = len == 16;
         __mmask16 k = full ? (__mmask16)0xFFFF : (__mmask16)((1u << len) - 1u);
         __m512i g = b->g_f32 ? _mm512_maskz_loadu_epi32(k, b->g_f32 + i)

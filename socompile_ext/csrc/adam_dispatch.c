@@ -40,6 +40,9 @@
 #define SOCX_BYTES_PER_ELEM 28
 
 static int g_store_policy = SOCX_STORES_AUTO;
+static int64_t g_prefetch = 0;
+void socx_set_prefetch(int64_t elems) { g_prefetch = elems > 0 ? (elems + 15) / 16 * 16 : 0; }
+int64_t socx_get_prefetch(void) { return g_prefetch; }
 static int64_t g_stream_min = 0;  /* 0: not yet computed */
 
 /* Size in bytes of the largest cache level Linux reports for cpu0 (sysfs; 0 when unknown). */
@@ -226,6 +229,7 @@ static void make_consts(const socx_buffers *b, int64_t call_n, const socx_hparam
     c->step_size = (float)(h->lr / bc1);
     c->eps = (float)h->eps;
     store_choice(b, call_n, c);
+    c->prefetch = g_prefetch;
 }
 
 static int threads_for(int64_t nblocks) {

@@ -47,6 +47,7 @@ typedef struct {
     int align_r;      /* when streaming: element i's outputs are 64-byte aligned iff (i + align_r) % 16 == 0
                        * (every streamed output shares this residue; vector paths peel the block's head
                        * up to that boundary with regular stores) */
+    int64_t prefetch; /* AVX-512: software prefetch distance in elements for the input streams, 0 = off */
 } socx_consts;
 
 /* Elements before the first streaming-aligned element of a block starting at i0 (0..15). */
