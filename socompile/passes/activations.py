@@ -1,0 +1,440 @@
+"""Activations per layer: keep, recompute (activation checkpointing) or offload to host memory, as planned
+(``Plan.activations``: layer group such as "layers.3" -> "keep" | "recompute" | "offload").
+
+**recompute** is applied at partition time (``repartition``, called by backend._apply_plan right after the first
+plan): the forward nodes of each such layer in the joint graph are tagged the way torch's selective activation
+checkpointing tags them (``meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE``, ``meta["ac_graph_id"]`` one per
+layer), the layer's outputs to the rest of the forward are tagged ``MUST_SAVE`` (they are the next layer's
+input, the one tensor a checkpointed layer keeps), random ops are tagged ``MUST_SAVE`` (recomputing them would
+draw new numbers), and the stock min-cut partitioner runs again; it honours the tags. The IR is rebuilt from
+the new graphs and the plan is made again with the first plan's activation choices pinned, so every node the
+plan names (bucket ``ready_after``, flow anchors) is a node of the graphs that run.
+
+**offload** is applied by two passes on the partitioned graphs::
+
+    forward (activation_offload_forward), for each saved-for-backward tensor t produced in an offloaded layer L:
+        t = <layer compute>
+        h = socompile.offload_activation(rt, "layers.3", t)       # right after t: device->host copy queued
+        ... the forward goes on (and may still read t) ...
+        socompile.offload_wait(rt, L, [h..], [t..])               # once the next offloaded layer has produced
+                                                                  # its saved tensors (last layer: at the end);
+                                                                  # t is freed right after
+        return (..., h, ...)                                      # the host copy is what autograd saves
+
+    backward (activation_offload_backward), per offloaded layer L, in the order the backward reaches them:
+        ticket = socompile.prefetch_activations(rt, L, [h_1..h_k])  # when the layer before L (in backward order)
+                                                                  # starts: host->device copies overlap it
+        t_i = socompile.wait_activation(rt, L, i, h_i, ticket, device)  # before the first use of h_i
+        ... every use of h_i reads t_i ...
+
+Tensors that are not offloaded: parameters and views of them (weights are the planner's business, weight flow
+streams them), graph inputs, tensors that are also returned to the user, and tensors whose layout a flat buffer
+cannot hold (overlapping or expanded strides).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import operator
+import re
+
+import torch
+from torch import fx
+
+from ..ops import activation_ops  # noqa: F401  (registers socompile::offload_activation / prefetch / wait)
+from .registry import register
+
+log = logging.getLogger("socompile")
+
+FW_NAME = "activation_offload_forward"
+BW_NAME = "activation_offload_backward"
+RECOMPUTE_NAME = "activation_recompute"   # the name its before/after dumps carry (applied at partition time)
+PREFETCH_AHEAD = 1                         # offloaded layers fetched ahead of the one the backward is in
+CHOICES = ("keep", "recompute", "offload")
+
+_override: dict[str, str] | None = None
+
+
+@contextlib.contextmanager
+def override(choices: dict[str, str]):
+    """Pin per-layer choices by hand for graphs compiled inside the block (the partition happens at the first
+    call of the compiled model)::
+
+        with socompile.passes.activations.override({"layers.0": "recompute", "layers.1": "offload"}):
+            loss = F.cross_entropy(cmodel(x)...)      # first call: compiles with these choices
+
+    Layers not named keep the planner's choice."""
+    global _override
+    bad = {k: v for k, v in choices.items() if v not in CHOICES}
+    if bad:
+        raise ValueError(f"activation choices must be one of {CHOICES}, got {bad}")
+    previous, _override = _override, dict(choices)
+    try:
+        yield
+    finally:
+        _override = previous
+
+
+# ------------------------------------------------------------------------------------------ layers of nodes
+_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
+_ITEM = re.compile(r"(?:\._modules)?\[['\"]?([^'\"\]]+)['\"]?\]")
+
+
+def module_path(path: str) -> str:
+    """Dynamo's module path as a parameter-name prefix: "L['self'].layers.0.attn" -> "layers.0.attn";
+    "L['self']._modules['layers']._modules['0']" -> "layers.0"."""
+    path = _PREFIX.sub("", path)
+    return _ITEM.sub(lambda m: "." + m.group(1), path).strip(".")
+
+
+def layer_of(node: fx.Node, layers) -> str | None:
+    """The layer group (one of ``layers``) whose module produced ``node``, from its ``nn_module_stack``."""
+    stack = node.meta.get("nn_module_stack") or {}
+    found = None
+    for value in stack.values():
+        path = module_path(value[0] if isinstance(value, tuple) else str(value))
+        for layer in layers:
+            if path == layer or path.startswith(layer + "."):
+                found = layer        # innermost match wins (the stack is outermost first)
+    return found
+
+
+def _tangent_closure(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes of a joint graph that depend on a tangent (the backward part)."""
+    out: set[fx.Node] = set()
+    for node in graph.nodes:
+        if (node.op == "placeholder" and "tangents" in str(node.target)) or \
+                node.meta.get("partitioner_tag") == "is_backward" or any(i in out for i in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
+def _is_random(node: fx.Node) -> bool:
+    """Draws random numbers. Attention ops are tagged random for their dropout: with ``dropout_p == 0`` they are
+    not (recomputing them gives the same result, and they are the costliest tensors of a layer to save)."""
+    target = node.target
+    if not (isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags):
+        return False
+    names = [a.name for a in target._schema.arguments]
+    if "dropout_p" in names:
+        i = names.index("dropout_p")
+        p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", 0.0)
+        return not (isinstance(p, (int, float)) and p == 0)
+    return True
+
+
+def tag_recompute(joint: fx.GraphModule, layers: list[str]) -> dict[str, int]:
+    """Tag the forward nodes of ``layers`` in the joint graph for recomputation; returns nodes tagged per layer."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    backward = _tangent_closure(joint.graph)
+    graph_id: dict[str, int] = {}
+    owner: dict[fx.Node, str] = {}
+    for node in joint.graph.nodes:
+        if node.op != "call_function" or node in backward:
+            continue
+        layer = layer_of(node, layers)
+        if layer is not None:
+            owner[node] = layer
+            graph_id.setdefault(layer, len(graph_id) + 1)   # forward order: ids increase layer after layer
+    # Saved, not recomputed: random ops (recomputing would draw new numbers; a tuple is saved as its items) and
+    # the layer's outputs to the rest of the forward (the next layer's input: what a checkpointed layer keeps).
+    save: set[fx.Node] = set()
+    for node, layer in owner.items():
+        if _is_random(node):
+            save.add(node)
+            save.update(u for u in node.users if u.target is operator.getitem and u not in backward)
+        if any(u not in backward and u.op != "output" and owner.get(u) != layer for u in node.users):
+            save.add(node)
+    counts = {layer: 0 for layer in layers}
+    for node, layer in owner.items():
+        node.meta["ac_graph_id"] = graph_id[layer]
+        if node in save:
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        else:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            counts[layer] += 1
+    return counts
+
+
+def _choices(ctx) -> tuple[tuple[str, str], ...]:
+    planned = dict(ctx.plan.activations)
+    if _override:
+        planned.update(_override)
+    return tuple((layer, choice) for layer, choice in planned.items() if choice in CHOICES)
+
+
+def repartition(ctx, fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Called by backend._apply_plan after the first plan. Layers to recompute: tag the joint graph, partition
+    again, rebuild the IR and plan again with the same activation choices; the plan's choices are pinned in
+    any case (the override, if any, included). Returns the graphs the passes will rewrite."""
+    repartition_fn = getattr(ctx, "repartition", None)
+    ctx.repartition = None          # drop the joint graph once used (it holds fake tensors)
+    choices = _choices(ctx)
+    first_recompute = ctx.plan.recompute
+    if choices != ctx.plan.activations:
+        ctx.plan = dataclasses.replace(ctx.plan, activations=choices,
+                                       recompute="layers" if any(c != "keep" for _, c in choices) else "none")
+        first_recompute = ctx.plan.recompute
+    recompute = [layer for layer, choice in choices if choice == "recompute"]
+    if not recompute:
+        return fw, bw
+    if repartition_fn is None:
+        log.warning("socompile: layers %s are planned to recompute their activations but this compile has no "
+                    "joint graph to partition again; their activations are kept", ", ".join(recompute))
+        return fw, bw
+    joint = repartition_fn.joint
+    counts = tag_recompute(joint, recompute)
+    before_fw, before_bw = fw.code, bw.code
+    fw, bw = repartition_fn()
+    from ..capture import build_ir, describe
+    from ..plan import get_profile, plan
+    infos = [describe(i, name, ctx.param_objects[i], optimized=ctx.optimizer is not None)
+             for i, name in ctx.param_names.items()]
+    ctx.ir = build_ir(fw, bw, infos)
+    ctx.plan = dataclasses.replace(plan(ctx.ir, get_profile(ctx.options.target), ctx.options),
+                                   activations=choices, recompute=first_recompute)
+    ctx.forward_graph, ctx.backward_graph = fw, bw
+    ctx.record_dump("fw", RECOMPUTE_NAME, before_fw, fw.code, fw)
+    ctx.record_dump("bw", RECOMPUTE_NAME, before_bw, bw.code, bw)
+    ctx.activation_recomputed = counts
+    log.info("socompile: recompute activations of %d layer(s) in backward (%d forward nodes tagged)",
+             len(recompute), sum(counts.values()))
+    return fw, bw
+
+
+class Repartition:
+    """What backend.py hands to ``repartition``: run the same partitioner on the same joint graph again."""
+
+    def __init__(self, partition_fn, joint, joint_inputs, kwargs):
+        self.partition_fn, self.joint, self.joint_inputs, self.kwargs = partition_fn, joint, joint_inputs, kwargs
+
+    def __call__(self):
+        return self.partition_fn(self.joint, self.joint_inputs, **self.kwargs)
+
+
+# -------------------------------------------------------------------------------------------------- offload
+@dataclasses.dataclass(frozen=True)
+class Offloaded:
+    layer: str
+    index: int           # position among the layer's offloaded tensors (the prefetch list, the wait's index)
+    device: torch.device
+
+
+def _runtime(ctx):
+    rt = getattr(ctx, "activation_offload", None)
+    if rt is None:
+        from ..runtime.activation_offload import ActivationOffloadRuntime
+        weights = ctx.offload
+        rt = ActivationOffloadRuntime(weights.device, ledger=weights.ledger, events=weights.events)
+        weights.activations = rt      # kept alive as long as the weight runtime (the optimizer's claim holds it)
+        ctx.activation_offload = rt
+    return rt
+
+
+def _is_saved_output(desc) -> bool:
+    return type(desc).__name__ == "SavedForBackwardsAOTOutput"
+
+
+def _root(node: fx.Node) -> fx.Node:
+    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
+        node = node.args[0]
+    return node
+
+
+@register(FW_NAME, phase="fw")
+def activation_offload_forward(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
+    from ..runtime.activation_offload import offloadable
+    from .weight_flow import _Builder
+    layers = [layer for layer, choice in plan.activations if choice == "offload"]
+    if not layers or getattr(ctx, "offload", None) is None:
+        return gm
+    if BW_NAME in ctx.options.disable_passes:
+        log.warning("socompile: %s is disabled, so activations are not offloaded either", BW_NAME)
+        return gm
+    rt = _runtime(ctx)
+    build = _Builder(gm, FW_NAME)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    outputs = list(output.args[0])
+    descs = output.meta.get("desc")
+    if descs is None:     # no descriptors: the saved tensors are the backward's non-tangent placeholders
+        saved_names = {n.name for n in ctx.backward_graph.graph.nodes
+                       if n.op == "placeholder" and "tangents" not in n.name}
+        saved = [isinstance(a, fx.Node) and a.name in saved_names for a in outputs]
+    else:
+        saved = [_is_saved_output(d) for d in descs]
+    returned = {a for a, s in zip(outputs, saved) if not s and isinstance(a, fx.Node)}
+    plan_map: dict[str, Offloaded] = {}
+    per_layer: dict[str, int] = {}
+    offloads: dict[str, list[fx.Node]] = {}    # layer -> its offload nodes, in forward order
+    for position, (arg, is_saved) in enumerate(zip(outputs, saved)):
+        if not is_saved or not isinstance(arg, fx.Node) or arg in returned or arg.name in plan_map:
+            continue
+        val = arg.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not offloadable(val) or _root(arg).op == "placeholder":
+            continue
+        layer = layer_of(arg, layers)
+        if layer is None:
+            continue
+        index = per_layer.get(layer, 0)
+        per_layer[layer] = index + 1
+        with gm.graph.inserting_after(arg):
+            host = build.call(torch.ops.socompile.offload_activation.default, (rt.handle, layer, arg),
+                              f"{layer} offloads its activations: saved {tuple(val.shape)} {val.dtype} "
+                              f"goes to host memory", arg)
+        if build.fake is not None:
+            with build.fake:
+                host.meta["val"] = torch.empty_strided(val.size(), val.stride(), dtype=val.dtype, device="cpu")
+        outputs[position] = host
+        plan_map[arg.name] = Offloaded(layer, index, val.device)
+        offloads.setdefault(layer, []).append(host)
+    output.args = (tuple(outputs),)
+    # Each layer's copies are waited for once the next offloaded layer has produced its saved tensors (the
+    # last layer's: before the forward returns): a layer of compute to overlap, two layers' saved tensors on
+    # the device at most.
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for hosts in offloads.values():
+        hosts.sort(key=position.__getitem__)
+    order = sorted(offloads, key=lambda layer: position[offloads[layer][0]])
+    for i, layer in enumerate(order):
+        keepalive = [h.args[2] for h in offloads[layer]]
+        if i + 1 < len(order):
+            where, why = gm.graph.inserting_after(offloads[order[i + 1]][-1]), \
+                f"{layer}: its copies to host memory are done once {order[i + 1]} has run"
+        else:
+            where, why = gm.graph.inserting_before(output), f"{layer}: its copies to host memory are done"
+        with where:
+            build.call(torch.ops.socompile.offload_wait.default, (rt.handle, layer, offloads[layer], keepalive),
+                       f"{why}; its device tensors are freed here", keepalive[-1])
+    ctx.activation_offloaded = plan_map
+    log.info("socompile: %d saved tensor(s) of %d layer(s) offloaded to host memory", len(plan_map), len(per_layer))
+    return gm
+
+
+@register(BW_NAME, phase="bw")
+def activation_offload_backward(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
+    from .weight_flow import _Builder
+    offloaded: dict[str, Offloaded] = getattr(ctx, "activation_offloaded", None) or {}
+    if not offloaded:
+        return gm
+    rt = _runtime(ctx)
+    build = _Builder(gm, BW_NAME)
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    holders = {n.name: n for n in nodes if n.op == "placeholder" and n.name in offloaded}
+    missing = sorted(set(offloaded) - set(holders))
+    if missing:
+        raise RuntimeError(f"socompile: offloaded activations {missing} are not inputs of the backward graph")
+    first_compute = next(n for n in nodes if n.op != "placeholder")
+
+    def first_use(h: fx.Node) -> fx.Node:
+        return min(h.users, key=position.__getitem__) if h.users else first_compute
+
+    by_layer: dict[str, list[fx.Node]] = {}
+    for h in holders.values():
+        by_layer.setdefault(offloaded[h.name].layer, []).append(h)
+    for hs in by_layer.values():
+        hs.sort(key=lambda h: offloaded[h.name].index)
+    # the order the backward reaches the layers in (the last forward layer first)
+    uses = {h: first_use(h) for h in holders.values()}
+    start = {layer: min((uses[h] for h in hs), key=position.__getitem__) for layer, hs in by_layer.items()}
+    order = sorted(by_layer, key=lambda layer: position[start[layer]])
+    # Prefetches first, then waits: nodes inserted before the same anchor stay in insertion order, so a layer's
+    # prefetch precedes its waits even where two layers' first uses are the same node.
+    tickets: dict[str, fx.Node] = {}
+    for i, layer in enumerate(order):
+        if i < PREFETCH_AHEAD:
+            anchor, why = first_compute, f"{layer}: its saved activations start coming back at the start of backward"
+        else:
+            ahead = order[i - PREFETCH_AHEAD]
+            anchor, why = start[ahead], f"{layer}: its saved activations come back while the backward of {ahead} runs"
+        with gm.graph.inserting_before(anchor):
+            tickets[layer] = build.call(torch.ops.socompile.prefetch_activations.default,
+                                        (rt.handle, layer, by_layer[layer]), why, anchor)
+        if build.fake is not None:
+            with build.fake:
+                tickets[layer].meta["val"] = torch.empty(0, device="cpu")
+    for layer in order:
+        for h in by_layer[layer]:
+            info = offloaded[h.name]
+            v = h.meta.get("val")
+            if v is not None and build.fake is not None:
+                with build.fake:     # the backward receives the host copy
+                    h.meta["val"] = torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device="cpu")
+            anchor = uses[h]
+            with gm.graph.inserting_before(anchor):
+                w = build.call(torch.ops.socompile.wait_activation.default,
+                               (rt.handle, layer, info.index, h, tickets[layer], info.device),
+                               f"{layer}: saved activation {info.index} back on the device before its first use",
+                               anchor)
+            if v is not None and build.fake is not None:
+                with build.fake:
+                    w.meta["val"] = torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device=info.device)
+            h.replace_all_uses_with(w, delete_user_cb=lambda user: user.target not in (
+                torch.ops.socompile.wait_activation.default, torch.ops.socompile.prefetch_activations.default))
+    problems = check_graphs(ctx.forward_graph if ctx.forward_graph is not None else None, gm)
+    if problems:
+        from ..plan.verify import PlanInvariantError
+        raise PlanInvariantError(problems)
+    return gm
+
+
+def check_graphs(fw: fx.GraphModule | None, bw: fx.GraphModule) -> list[str]:
+    """Invariants of offloaded activations on the rewritten graphs. Forward: every host copy is saved (a graph
+    output) and every offloaded device tensor is kept alive by exactly one ``offload_wait`` of its layer, after
+    its offload. Backward: each host copy has exactly one prefetch, before exactly one wait, and nothing but
+    those two reads it (every compute reads the fetched device tensor). Each message names the node at fault."""
+    ops = torch.ops.socompile
+    out: list[str] = []
+    if fw is not None:
+        nodes = list(fw.graph.nodes)
+        pos = {n: i for i, n in enumerate(nodes)}
+        output = nodes[-1]
+        returned = {a for a in output.args[0] if isinstance(a, fx.Node)}
+        waits: dict[fx.Node, list[fx.Node]] = {}
+        for n in nodes:
+            if n.target is ops.offload_wait.default:
+                for t in n.args[3]:
+                    waits.setdefault(t, []).append(n)
+        for n in nodes:
+            if n.target is not ops.offload_activation.default:
+                continue
+            t = n.args[2]
+            if n not in returned:
+                out.append(f"forward: {n.name} offloads {t.name} but the host copy is not saved")
+            w = [x for x in waits.get(t, []) if x.args[1] == n.args[1]]
+            if len(w) != 1:
+                out.append(f"forward: {t.name} (offloaded by {n.name}) is kept alive by {len(w)} "
+                           f"socompile.offload_wait nodes of {n.args[1]}, expected 1")
+            elif pos[w[0]] < pos[n] or n not in w[0].args[2]:
+                out.append(f"forward: {w[0].name} may run before {n.name} (it must come later and take its output)")
+    nodes = list(bw.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    prefetched: dict[fx.Node, list[fx.Node]] = {}
+    for n in nodes:
+        if n.target is ops.prefetch_activations.default:
+            for h in n.args[2]:
+                prefetched.setdefault(h, []).append(n)
+    for n in nodes:
+        if n.target is not ops.wait_activation.default:
+            continue
+        h, ticket = n.args[3], n.args[4]
+        pre = prefetched.get(h, [])
+        if len(pre) != 1:
+            out.append(f"backward: saved activation {h.name} is prefetched {len(pre)} times, expected once")
+        elif pos[pre[0]] > pos[n]:
+            out.append(f"backward: {n.name} waits for {h.name} before its prefetch {pre[0].name}")
+        elif ticket is not pre[0]:
+            out.append(f"backward: {n.name} takes the ticket of {getattr(ticket, 'name', ticket)}, not of the "
+                       f"prefetch {pre[0].name} that copies {h.name}: a scheduler may run it first")
+        waits = [u for u in h.users if u.target is ops.wait_activation.default]
+        if len(waits) != 1:
+            out.append(f"backward: saved activation {h.name} has {len(waits)} waits, expected 1")
+        direct = [u.name for u in h.users if u.target not in (ops.wait_activation.default,
+                                                              ops.prefetch_activations.default)]
+        if direct:
+            out.append(f"backward: {direct} read the host copy {h.name} instead of its fetched device tensor")
+    for h, pre in prefetched.items():
+        if not any(u.target is ops.wait_activation.default for u in h.users):
+            out.append(f"backward: saved activation {h.name} is prefetched by {pre[0].name} but never waited for")
+    return out
