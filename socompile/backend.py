@@ -136,6 +136,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, ctx: CompileContext):
 
         def partition(joint, joint_inputs, **kwargs):
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+            ctx.repartition = _repartition(min_cut_rematerialization_partition, joint, joint_inputs, kwargs)
             return _apply_plan(ctx, fw, bw)
 
         return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partition)(gm, example_inputs)
@@ -150,6 +151,7 @@ def _partitioner(ctx: CompileContext):
     class SuperOffloadPartitioner(CustomPartitionerFn):
         def __call__(self, joint, joint_inputs, **kwargs):
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+            ctx.repartition = _repartition(min_cut_rematerialization_partition, joint, joint_inputs, kwargs)
             return _apply_plan(ctx, fw, bw)
 
         def uuid(self):
@@ -165,6 +167,12 @@ def _partitioner(ctx: CompileContext):
 
 
 _PARTITIONER_ID = "socompile.backend.SuperOffloadPartitioner/1"
+
+
+def _repartition(partition_fn, joint, joint_inputs, kwargs):
+    """The same partitioner on the same joint graph, for activation recompute (passes/activations.py)."""
+    from .passes.activations import Repartition
+    return Repartition(partition_fn, joint, joint_inputs, kwargs)
 
 
 def _partitioner_id() -> str:
@@ -185,6 +193,11 @@ def _apply_plan(ctx: CompileContext, fw: fx.GraphModule, bw: fx.GraphModule) -> 
         ctx.ir = build_ir(fw, bw, infos)
     with timed("plan"):
         ctx.plan = plan(ctx.ir, get_profile(ctx.options.target), ctx.options)
+    # --- activations (passes/activations.py): layers planned "recompute" are tagged in the joint graph, which
+    # is partitioned again (new IR, plan made again with the same per-layer choices pinned) ---
+    with timed("activations"):
+        fw, bw = passes.activations.repartition(ctx, fw, bw)
+    # ---
     _emit_plan(ctx)
     if ctx.optimizer is not None and ctx.plan.buckets:
         from torch.utils._python_dispatch import _disable_current_modes
