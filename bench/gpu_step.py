@@ -1,14 +1,23 @@
 """One GPU: the runtime's copy stream (bandwidth, overlap with compute) and the step time of a ~1B Llama with and
 without socompile offload. Run by bench/gpu_check.sh; written without a GPU at hand (see docs/runtime.md).
 
-    python bench/gpu_step.py [--preset llama-1b] [--batch 2] [--seq 1024] [--steps 8]
+    python bench/gpu_step.py [--preset llama-1b] [--layers N] [--batch 2] [--seq 1024] [--steps 8]
+                             [--offload-dtype bf16|fp32|both]
+
+"with offload": the model on the GPU (``model.cuda()``, bf16 weights, or fp32 weights under bf16 autocast),
+socompile.AdamW (a separate host master: fp32 master, gradients and Adam moments in pinned host memory, the CPU
+kernel stepping each bucket while backward goes on, the updated weights uploaded per bucket) and the backend.
+Each case is guarded: a failure prints its traceback and the script goes on, exiting 1 at the end.
 """
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+import traceback
 
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 
 import socompile
@@ -51,20 +60,74 @@ def copy_stream_check(mb: int = 64, copies: int = 16) -> None:
           f"{both * 1e3:.1f} ms ({'overlapped' if both < 0.9 * (alone + copy_s) else 'NOT overlapped'})")
 
 
-def time_steps(model, opt, data, steps: int, warmup: int) -> float:
+def time_steps(model, opt, data, steps: int, warmup: int, losses: list | None = None) -> float:
     times = []
     for i, (x, y) in enumerate(data[:warmup + steps]):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16):   # a no-op for a bf16 model's own weights
             out = model(x)
-        F.cross_entropy(out.float().flatten(0, 1), y.flatten()).backward()
+        loss = F.cross_entropy(out.float().flatten(0, 1), y.flatten())
+        loss.backward()
         opt.step()
         opt.zero_grad()
         torch.cuda.synchronize()
+        if losses is not None:
+            losses.append(loss.item())
         if i >= warmup:
             times.append(time.perf_counter() - t)
     return sorted(times)[len(times) // 2]
+
+
+def offload_case(args, overrides: dict, data, dtype: torch.dtype) -> None:
+    """socompile on the GPU: the real path (model on the GPU, separate host master, uploads per bucket)."""
+    name = {torch.bfloat16: "bf16 weights", torch.float32: "fp32 weights + bf16 autocast"}[dtype]
+    torch._dynamo.reset()     # a fresh compile with this backend (no guards of the previous case's compile)
+    torch.manual_seed(0)
+    model = build(args.preset, **overrides).to(device="cuda", dtype=dtype)
+    t0 = time.perf_counter()
+    opt = socompile.AdamW(model.parameters(), lr=1e-4)
+    if opt.host_master != "separate":
+        raise RuntimeError(f"socompile.AdamW chose host_master={opt.host_master!r} for CUDA parameters")
+    backend = socompile.SuperOffload(target=args.target, bucket_size=args.bucket_size)
+    cmodel = torch.compile(model, backend=backend)
+    torch.cuda.reset_peak_memory_stats()
+    losses: list[float] = []
+    t = time_steps(cmodel, opt, data, args.steps, args.warmup, losses)
+    total = time.perf_counter() - t0
+    ctx = backend.compiled[0] if backend.compiled else None
+    line = (f"with offload (socompile, {name}): {t * 1e3:.1f} ms/step, peak "
+            f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB (torch), {total:.0f} s with compile")
+    print(line)
+    if ctx is not None and ctx.plan is not None:
+        sites = [b.optimizer_site for b in ctx.plan.buckets]
+        modes = [b.weight_mode for b in ctx.plan.buckets]
+        ledger = ctx.offload.ledger.summary()
+        print(f"  plan: {len(sites)} buckets, {sites.count('cpu')} stepped on the CPU, {sites.count('device')} on "
+              f"the GPU, {modes.count('flow')} flowing; runtime device peak {ledger['peak'] / 2**30:.2f} GiB "
+              f"{ {k: round(v / 2**30, 2) for k, v in ledger['peak_parts'].items()} }")
+    pinned = sum(t.numel() * t.element_size() for b in opt.buckets if b.site == "cpu"
+                 for t in (b.master, b.grad, b.exp_avg, b.exp_avg_sq))
+    print(f"  host: {pinned / 2**30:.1f} GiB of pinned fp32 master/gradients/moments; losses "
+          f"{', '.join(f'{v:.3f}' for v in losses[:3])} ... {losses[-1]:.3f}")
+    if not all(v == v for v in losses):
+        raise RuntimeError(f"non-finite loss with offload: {losses}")
+    if len(losses) > 2 and not losses[-1] < losses[0]:
+        print(f"  WARNING: the loss did not go down ({losses[0]:.3f} -> {losses[-1]:.3f}) over {len(losses)} steps "
+              f"of random tokens at lr 1e-4 (expected to fall a little as the model learns the unigram statistics)")
+
+
+def guarded(what: str, fn, failures: list) -> None:
+    try:
+        fn()
+    except Exception:   # noqa: BLE001 - report every stage, then exit non-zero
+        failures.append(what)
+        print(f"FAILED: {what}", flush=True)
+        traceback.print_exc()
+        sys.stdout.flush()
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -75,37 +138,42 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--target", default="gh200")
+    parser.add_argument("--bucket-size", default="64MB")
+    parser.add_argument("--offload-dtype", choices=("bf16", "fp32", "both"), default="bf16")
+    parser.add_argument("--skip-baseline", action="store_true", help="only the socompile case(s)")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit(f"bench/gpu_step.py needs a CUDA GPU; torch {torch.__version__} (CUDA build: {torch.version.cuda}) "
+                 f"sees none")
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}")
-    copy_stream_check()
+    failures: list[str] = []
+    guarded("copy stream check", copy_stream_check, failures)
     overrides = {"n_layers": args.layers} if args.layers else {}
     vocab = PRESETS[args.preset].vocab_size
-    data = [(torch.randint(0, vocab, (args.batch, args.seq), device="cuda"),
-             torch.randint(0, vocab, (args.batch, args.seq), device="cuda")) for _ in range(args.warmup + args.steps)]
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, vocab, (args.batch, args.seq), generator=g).cuda(),
+             torch.randint(0, vocab, (args.batch, args.seq), generator=g).cuda())
+            for _ in range(args.warmup + args.steps)]
 
-    torch.manual_seed(0)
-    model = build(args.preset, **overrides).cuda()
-    n = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    torch.cuda.reset_peak_memory_stats()
-    t = time_steps(torch.compile(model), opt, data, args.steps, args.warmup)
-    print(f"without offload ({n / 1e9:.2f}B params, fp32 master + bf16 autocast, Inductor + fused AdamW on the GPU): "
-          f"{t * 1e3:.1f} ms/step, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
-    del model, opt
-    torch.cuda.empty_cache()
-
-    torch.manual_seed(0)
-    model = build(args.preset, **overrides).cuda()
-    try:
-        opt = socompile.AdamW(model.parameters(), lr=1e-4)
-        cmodel = torch.compile(model, backend=socompile.SuperOffload(target="gh200", bucket_size="64MB"))
+    def baseline():
+        torch.manual_seed(0)
+        model = build(args.preset, **overrides).cuda()
+        n = sum(p.numel() for p in model.parameters())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         torch.cuda.reset_peak_memory_stats()
-        t = time_steps(cmodel, opt, data, args.steps, args.warmup)
-        print(f"with offload (socompile): {t * 1e3:.1f} ms/step, peak "
-              f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
-    except (TypeError, RuntimeError) as exc:
-        # Expected today: socompile's buckets hold fp32 CPU parameters (docs/runtime.md, "Not done").
-        print(f"with offload (socompile): not supported on CUDA yet: {type(exc).__name__}: {str(exc)[:300]}")
+        t = time_steps(torch.compile(model), opt, data, args.steps, args.warmup)
+        print(f"without offload ({n / 1e9:.2f}B params, fp32 master + bf16 autocast, Inductor + fused AdamW on the "
+              f"GPU): {t * 1e3:.1f} ms/step, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+
+    if not args.skip_baseline:
+        guarded("without offload", baseline, failures)
+    dtypes = {"bf16": [torch.bfloat16], "fp32": [torch.float32], "both": [torch.bfloat16, torch.float32]}
+    for dtype in dtypes[args.offload_dtype]:
+        guarded(f"with offload ({dtype})", lambda dtype=dtype: offload_case(args, overrides, data, dtype), failures)
+    if failures:
+        print(f"gpu_step: {len(failures)} failed: {', '.join(failures)}")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

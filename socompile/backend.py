@@ -212,7 +212,9 @@ def _apply_plan(ctx: CompileContext, fw: fx.GraphModule, bw: fx.GraphModule) -> 
                                         early_step=[b.optimizer_site == "cpu" and ctx.options.speculate
                                                     for b in ctx.plan.buckets],
                                         rollback=["inverse" if b.rollback == "inverse" else "pingpong"
-                                                  for b in ctx.plan.buckets])
+                                                  for b in ctx.plan.buckets],
+                                        sites=[b.optimizer_site for b in ctx.plan.buckets],
+                                        weight_modes=[b.weight_mode for b in ctx.plan.buckets])
             ctx.claim_handle = claim.handle
             _bind_runtime(ctx, claim)
             with timed("passes"):

@@ -42,14 +42,15 @@ def save(path: str | os.PathLike, model: nn.Module | None = None, optimizer=None
     path = pathlib.Path(path)
     folder = path.parent if str(path.parent) else pathlib.Path(".")
     folder.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "format": FORMAT,
-        "version": VERSION,
-        "torch_version": str(torch.__version__),
-        "model": _module(model).state_dict() if model is not None else None,
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
-        "extra": extra,
-    }
+    with _weights_of(optimizer):   # flow weights of a separate host master hold no bytes between uses
+        payload = {
+            "format": FORMAT,
+            "version": VERSION,
+            "torch_version": str(torch.__version__),
+            "model": _cloned(_module(model).state_dict(), optimizer) if model is not None else None,
+            "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "extra": extra,
+        }
     _remove_stale_temps(folder, path.name)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=folder)
     try:
@@ -84,12 +85,31 @@ def load(path: str | os.PathLike, model: nn.Module | None = None, optimizer=None
     if model is not None:
         if data["model"] is None:
             raise ValueError(f"{path} holds no model state (saved with model=None)")
-        _module(model).load_state_dict(data["model"], strict=strict)
+        with _weights_of(optimizer, pull=True):   # values loaded into parameters go into a separate master
+            _module(model).load_state_dict(data["model"], strict=strict)
     if optimizer is not None:
         if data["optimizer"] is None:
             raise ValueError(f"{path} holds no optimizer state (saved with optimizer=None)")
         optimizer.load_state_dict(data["optimizer"])
     return dict(data.get("extra") or {})
+
+
+def _weights_of(optimizer, pull: bool = False):
+    """socompile.AdamW with a separate host master: every parameter holds its weights inside the block."""
+    import contextlib
+    hold = getattr(optimizer, "materialized_weights", None)
+    return hold(pull=pull) if hold is not None else contextlib.nullcontext()
+
+
+def _cloned(state: dict, optimizer) -> dict:
+    """Tensors of flowing weights (their storage is given back after the block) are cloned; others as is."""
+    flowing = {b.weights.untyped_storage().data_ptr() for b in getattr(optimizer, "buckets", ())
+               if getattr(b, "flow", False) and b.weights is not None}
+    flowing.discard(0)
+    if not flowing:
+        return state
+    return {key: value.clone() if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in flowing
+            else value for key, value in state.items()}
 
 
 def _remove_stale_temps(folder: pathlib.Path, name: str) -> None:

@@ -10,9 +10,15 @@ as soon as they exist, and the CPU worker steps the bucket at once while backwar
   inverse, with ``rollback="inverse"``). ``step()`` then validates: commit; or roll back and skip
   (non-finite gradients); or roll back and redo with the clip coefficient. See runtime/speculation.py.
 Used eagerly, ``step()`` takes the gradients from ``.grad`` and steps every bucket through the same kernel.
+
+``host_master``: "shared" (fp32 CPU parameters alias the fp32 master; nothing is copied), "separate" (the
+parameters keep their dtype and device in one flat buffer per bucket; the fp32 master, gradients and moments
+stay on the host and the updated master is uploaded once a step is final; see runtime/flat_bucket.py), or
+"auto" (separate as soon as one parameter is not an fp32 CPU tensor: a model on a GPU, or in bf16).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -65,7 +71,7 @@ class AdamW(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, max_grad_norm: float | None = None,
                  bucket_size: int | str = "64MB", grad_accumulation_steps: int = 1, decoupled: bool = True,
                  skip_nonfinite: bool | None = None, rollback: str = "pingpong", predict_clipping: bool = True,
-                 cpu_worker: str = "auto"):
+                 cpu_worker: str = "auto", host_master: str = "auto"):
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
@@ -91,6 +97,14 @@ class AdamW(torch.optim.Optimizer):
         if rollback not in ("pingpong", "inverse"):
             raise ValueError(f"rollback must be 'pingpong' (exact, 2x optimizer state) or 'inverse' (algebraic, "
                              f"1x state), got {rollback!r}")
+        if host_master not in ("auto", "shared", "separate"):
+            raise ValueError(f"host_master must be 'shared' (fp32 CPU parameters alias the fp32 master), 'separate' "
+                             f"(the parameters keep their dtype and device; the fp32 master stays on the host) or "
+                             f"'auto' (separate when any parameter is not an fp32 CPU tensor), got {host_master!r}")
+        if host_master == "auto":
+            host_master = "separate" if any(p.dtype != torch.float32 or p.device.type != "cpu"
+                                            for g in self.param_groups for p in g["params"]) else "shared"
+        self.host_master = host_master
         self.max_grad_norm = max_grad_norm
         # Reference semantics: with clipping, a non-finite norm skips the step (torch would propagate NaN);
         # without clipping, behave as torch.optim.AdamW unless asked.
@@ -143,7 +157,8 @@ class AdamW(torch.optim.Optimizer):
         self._pool = self._make_buckets([[by_id[int(k)] for k in names] for names in groups],
                                         indices=[-1 - k for k in range(len(groups))])
 
-    def _make_buckets(self, param_lists: list[list[nn.Parameter]], indices: list[int]) -> list[FlatBucket]:
+    def _make_buckets(self, param_lists: list[list[nn.Parameter]], indices: list[int],
+                      sites: list[str] | None = None, flow: list[bool] | None = None) -> list[FlatBucket]:
         made, shard = [], None
         if self._sharding is not None:   # ZeRO: new buckets keep state for this rank's window only ...
             shard = (self._sharding.rank, self._sharding.world)
@@ -151,8 +166,13 @@ class AdamW(torch.optim.Optimizer):
             old = {id(b): b for params in param_lists for p in params if id(p) in self._slot
                    for b in (self._slot[id(p)][0],) if b.sharded and any(b.steps)}
             self._sharding.unshard_state(list(old.values()))
-        for index, params in zip(indices, param_lists):
-            bucket = FlatBucket(index, params, shard=shard)
+        for k, (index, params) in enumerate(zip(indices, param_lists)):
+            runtime = None
+            if self.host_master == "separate" and params:
+                from ..runtime.device import shared_runtime
+                runtime = shared_runtime(params[0].device)
+            bucket = FlatBucket(index, params, shard=shard, host_master=self.host_master,
+                                site=sites[k] if sites else "cpu", flow=bool(flow and flow[k]), runtime=runtime)
             bucket.adopt(self._slot)
             bucket.group_of = [self._group_index[id(p)] for p in params]
             bucket.rollback_mode = self.rollback
@@ -176,13 +196,16 @@ class AdamW(torch.optim.Optimizer):
             state["exp_avg_sq"] = bucket.view(bucket.exp_avg_sq, i)
 
     def claim(self, param_lists: list[list[nn.Parameter]], early_step: list[bool] | None = None,
-              rollback: list[str] | None = None) -> GraphClaim:
+              rollback: list[str] | None = None, sites: list[str] | None = None,
+              weight_modes: list[str] | None = None) -> GraphClaim:
         """Lay out the buckets a compiled backward graph feeds (called by the backend at compile time).
         ``early_step[i]``: bucket i may be stepped by the CPU worker as its gradients arrive; otherwise (a
         device-resident bucket, or speculation turned off) it is stepped in ``step()`` after validation.
         ``rollback[i]``: the plan's rollback mode of bucket i ("pingpong" or "inverse"); default: the
-        optimizer's ``rollback`` argument. A recompile of the same graph (same parameters) gets its existing
-        claim back."""
+        optimizer's ``rollback`` argument. ``sites[i]``: the plan's optimizer site ("cpu" or "device") and
+        ``weight_modes[i]`` ("stationary" or "flow"): with a separate host master they place the bucket's state
+        on the device, or free its device weights between uses. A recompile of the same graph (same
+        parameters) gets its existing claim back."""
         self._wait_pending()
         key = frozenset(id(p) for params in param_lists for p in params)
         if key in self._claims:
@@ -196,7 +219,8 @@ class AdamW(torch.optim.Optimizer):
         for p in (p for params in param_lists for p in params):
             if id(p) not in self._group_index:
                 raise ValueError("the compiled graph's parameter is not in this optimizer")
-        claim = GraphClaim(self, self._make_buckets(param_lists, indices=list(range(len(param_lists)))),
+        claim = GraphClaim(self, self._make_buckets(param_lists, indices=list(range(len(param_lists))), sites=sites,
+                                                    flow=[m == "flow" for m in weight_modes] if weight_modes else None),
                            early_step=list(early_step) if early_step is not None else [True] * len(param_lists))
         for bucket, mode in zip(claim.buckets, rollback or ()):
             bucket.rollback_mode = mode
@@ -214,10 +238,13 @@ class AdamW(torch.optim.Optimizer):
                                "backward, or set grad_accumulation_steps=N on socompile.AdamW to accumulate N "
                                "backward passes per step.")
         self.events.record("grads_ready", bucket.index)
-        for i, grad in zip(segments, grads):
-            p = bucket.params[i]
-            bucket.receive(i, grad, accumulate=p.grad is not None)
-            p.grad = bucket.view(bucket.grad, i)
+        if bucket.mirror:   # .grad stays None: the gradients live in the host buffer (copied, maybe async)
+            bucket.receive_many(segments, grads, accumulate=True)
+        else:
+            for i, grad in zip(segments, grads):
+                p = bucket.params[i]
+                bucket.receive(i, grad, accumulate=p.grad is not None)
+                p.grad = bucket.view(bucket.grad, i)
         bucket.arrivals += 1
         if bucket.arrivals == self.grad_accumulation_steps and self._sharding is not None:
             self._sharding.start_reduce(bucket)   # in graph order: the same order on every rank
@@ -236,13 +263,15 @@ class AdamW(torch.optim.Optimizer):
     def _on_bucket_complete(self, bucket: FlatBucket) -> None:
         """Worker thread: speculate the bucket's step if still worthwhile; always learn its norm partial."""
         start = time.perf_counter()
+        bucket.wait_grads()   # CUDA: this bucket's gradient copy to the host (its event only)
         if self._sharding is not None:
             self._sharding.finish_reduce(bucket)   # this rank's shard of the averaged gradients
         if not self._validating():
             # Nothing to validate: the step taken now is final (in place, as torch would take it).
             self.events.record("step_start", bucket.index)
-            step_bucket(bucket, self.param_groups)
+            step_bucket(bucket, self.param_groups, final=True)
             bucket.stepped = True
+            bucket.upload()   # separate host master: the new weights go to the device while backward goes on
             self.events.record("step_end", bucket.index)
             return
         spec = self._speculator
@@ -290,6 +319,7 @@ class AdamW(torch.optim.Optimizer):
         for bucket in buckets:
             if not bucket.stepped and bucket.speculated is None:
                 bucket.gather_eager_grads()
+            bucket.wait_grads()
         if not self._warned_no_grads and not any(any(b.has_grad) for b in buckets):
             self._warned_no_grads = True  # torch steps nothing silently; say why once, it is usually a bug
             log.warning("socompile.AdamW.step(): none of its %d parameter(s) has a gradient. Was backward run "
@@ -307,14 +337,26 @@ class AdamW(torch.optim.Optimizer):
             self._commit(buckets)
         if self._sharding is not None:
             self._sharding.gather(buckets, changed=not (self._validating() and self.last_step_skipped))
+        self._upload(buckets)
         for bucket in buckets:
             bucket.reset_iteration()
         self._speculator.begin_step()
         return loss
 
+    def _upload(self, buckets: list[FlatBucket]) -> None:
+        """Separate host master: upload every bucket whose master changed (committed, redone, stepped now,
+        rolled back by the inverse), then make the compute stream wait for all uploads, so the next forward
+        reads the new weights (CUDA: queued waits, no host block; CPU build: the copies are already done)."""
+        for bucket in buckets:
+            if bucket.dirty:
+                bucket.upload()
+        for bucket in buckets:
+            if bucket.mirror:
+                bucket.wait_upload_on_compute()
+
     def _step_now(self, bucket: FlatBucket, grad_scale: float) -> None:
         self.events.record("step_start", bucket.index)
-        step_bucket(bucket, self.param_groups, grad_scale)
+        step_bucket(bucket, self.param_groups, grad_scale, final=True)
         bucket.stepped = True
         self.events.record("step_end", bucket.index)
 
@@ -432,6 +474,8 @@ class AdamW(torch.optim.Optimizer):
             bucket, i = slot
             self._alias_state(bucket, i, state)
             state["step"] = torch.tensor(float(bucket.steps[i]), dtype=torch.float32)
+            if bucket.mirror and p.dtype != torch.float32:
+                state["master"] = bucket.view(bucket.master, i)   # the fp32 weights the bf16 ones round
         out = super().state_dict()
         out["param_groups"] = [torch_param_group(group) for group in out["param_groups"]]
         return out
@@ -452,7 +496,27 @@ class AdamW(torch.optim.Optimizer):
             group["decoupled"] = state_dict["param_groups"][n].get(
                 "decoupled", state_dict["param_groups"][n].get("decoupled_weight_decay", True))
             groups.append(group)
+        # Separate host master: the parameters may have been loaded meanwhile (socompile.load loads the model
+        # first): take the master from them before torch's loader runs (it casts "master" to the parameter's
+        # dtype), then from the fp32 "master" this state dict may carry (bf16 parameters).
+        masters = {}
+        for n, saved in state_dict["state"].items():
+            if isinstance(saved, dict) and isinstance(saved.get("master"), torch.Tensor):
+                masters[n] = saved["master"]
+        for bucket in self.buckets:
+            bucket.pull_from_weights()
         super().load_state_dict({"state": state_dict["state"], "param_groups": groups})
+        order = [p for group in self.param_groups for p in group["params"]]
+        saved_ids = [k for group in state_dict["param_groups"] for k in group["params"]]
+        raw = {}    # the saved moments as saved: torch's loader cast them to the parameter's dtype (bf16)
+        for key, p in zip(saved_ids, order):
+            slot = self._slot.get(id(p))
+            if key in masters and slot is not None and slot[0].mirror:
+                bucket, i = slot
+                bucket.view(bucket.master, i).copy_(masters[key].reshape(p.shape))
+            self.state.get(p, {}).pop("master", None)
+            if isinstance(state_dict["state"].get(key), dict):
+                raw[id(p)] = state_dict["state"][key]
         # torch's loader put the saved tensors into self.state: copy them into the buckets, then alias.
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
@@ -466,11 +530,26 @@ class AdamW(torch.optim.Optimizer):
                 held = bucket.held(i)   # sharded: copy this rank's part of the whole moments
                 for key, buffer in (("exp_avg", bucket.exp_avg), ("exp_avg_sq", bucket.exp_avg_sq)):
                     if held is not None:
-                        bucket.state_part(buffer, i).copy_(state[key].reshape(-1)[held[0]:held[1]]
+                        bucket.state_part(buffer, i).copy_(raw.get(id(p), state)[key].reshape(-1)[held[0]:held[1]]
                                                            .view_as(bucket.state_part(buffer, i)))
                 self._alias_state(bucket, i, state)
                 bucket.steps[i] = int(float(state["step"]))
                 state["step"] = torch.tensor(float(bucket.steps[i]), dtype=torch.float32)
+        self._upload(self.buckets)
+
+    @contextlib.contextmanager
+    def materialized_weights(self, pull: bool = False):
+        """Weight-flow buckets with a separate host master hold no device bytes between uses (their storage is
+        resized to 0, and reading such a parameter is an invalid memory access). Inside this block every
+        parameter holds its weights (cast from the master), e.g. to save or load the model's state dict or to
+        run it eagerly; with ``pull=True`` values written into the parameters go into the master at exit."""
+        self._wait_pending()
+        with contextlib.ExitStack() as stack:
+            for bucket in self.buckets:
+                stack.enter_context(bucket.materialized(pull=pull))
+            yield
+        if pull:
+            self._upload(self.buckets)
 
     def __del__(self):
         if getattr(self, "_worker", None) is not None:

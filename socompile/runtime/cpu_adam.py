@@ -26,18 +26,33 @@ def _hyper(group: dict, step: int) -> dict:
 
 
 def step_bucket(bucket: FlatBucket, groups: list[dict], grad_scale: float = 1.0,
-                into_spare: bool = False) -> tuple[float, bool]:
+                into_spare: bool = False, final: bool = False) -> tuple[float, bool]:
     """AdamW/Adam step of every segment of ``bucket`` that has a gradient, at step count ``steps[i] + 1``.
     ``into_spare``: read the current state, write the ping-pong spare (current state untouched).
+    ``final``: the step will not be rolled back, so a bucket with bf16 device weights (separate host master)
+    gets their bf16 copy written by the kernel in the same pass (``FlatBucket.low_out``).
+    A bucket whose buffers are on a GPU (device-stepped) is stepped by torch's fused kernel there.
     Returns the statistics of the scaled gradients. Step counts are bumped by the caller at commit."""
+    if bucket.master.device.type != "cpu":
+        from .device_adam import fused_step
+        bucket.dirty = True
+        return fused_step(bucket, groups, grad_scale)
     kernel = _kernel()
+    bucket.before_host_write()
     outputs = bucket.spare_buffers() if into_spare else None
+    low = bucket.low_out() if final and not into_spare else None
+    if not into_spare:
+        bucket.dirty = True
+        if low is None:
+            bucket._low_synced = False
     total, nonfinite = 0.0, False
     for start, end, gi, step in bucket.runs(bucket.group_of):
         loc = bucket.local(start, end)   # the state buffers (and the spare) may cover this rank's shard only
         out = {}
         if outputs is not None:
             out = dict(param_out=outputs[0][loc], exp_avg_out=outputs[1][loc], exp_avg_sq_out=outputs[2][loc])
+        if low is not None:
+            out["param_bf16_out"] = low[start:end]
         s, bad = kernel.adam_step(bucket.master[start:end], bucket.grad[start:end], bucket.exp_avg[loc],
                                   bucket.exp_avg_sq[loc], grad_scale=grad_scale,
                                   **_hyper(groups[gi], step), **out)
@@ -47,6 +62,9 @@ def step_bucket(bucket: FlatBucket, groups: list[dict], grad_scale: float = 1.0,
 
 def grad_stats(bucket: FlatBucket) -> tuple[float, bool]:
     """Sum of squared gradients (unscaled) and any-non-finite over the same runs a step would use."""
+    if bucket.grad.device.type != "cpu":
+        from .device_adam import device_grad_stats
+        return device_grad_stats(bucket)
     kernel = _kernel()
     total, nonfinite = 0.0, False
     for start, end, _, _ in bucket.runs(bucket.group_of):
@@ -58,6 +76,8 @@ def grad_stats(bucket: FlatBucket) -> tuple[float, bool]:
 def rollback_inplace(bucket: FlatBucket, groups: list[dict], grad_scale: float) -> None:
     """Undo an in-place step with the algebraic inverse (memory-tight mode; not bitwise)."""
     kernel = _kernel()
+    bucket.before_host_write()
+    bucket.dirty, bucket._low_synced = True, False
     for start, end, gi, step in bucket.runs(bucket.group_of):
         loc = bucket.local(start, end)
         kernel.adam_rollback(bucket.master[start:end], bucket.grad[start:end], bucket.exp_avg[loc],

@@ -72,6 +72,10 @@ class DeviceRuntime:
         """``dst.copy_(src)`` (converting the dtype if they differ) on ``stream``; returns its event."""
         raise NotImplementedError
 
+    def copy_many_async(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: Stream) -> Event:
+        """Every ``dst.copy_(src)`` of ``pairs`` on ``stream``, in order, with one event for all of them."""
+        raise NotImplementedError
+
     def wait_on_compute(self, event: Event) -> None:
         """Make the compute stream (the one running the compiled graph) wait for ``event``."""
         raise NotImplementedError
@@ -133,6 +137,10 @@ class CPURuntime(DeviceRuntime):
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> Event:
         return stream.submit(lambda: dst.copy_(src))
+
+    def copy_many_async(self, pairs, stream: Stream) -> Event:
+        pairs = list(pairs)
+        return stream.submit(lambda: [dst.copy_(src) for dst, src in pairs])
 
     def wait_on_compute(self, event: Event) -> None:
         event.synchronize()      # the calling thread *is* the compute stream here
@@ -232,8 +240,40 @@ class CUDARuntime(DeviceRuntime):
                     self.api.record_stream(t, stream.stream)
         return stream.submit(copy)
 
+    def copy_many_async(self, pairs, stream: CUDAStream) -> CUDAEvent:
+        """One wait for the compute stream, the copies, one event. A device source of another dtype than its
+        host destination is converted on the device first (on the side stream: the gradient D2H path moves
+        fp32 into the fp32 host buffer and the conversion costs no host time)."""
+        pairs = list(pairs)
+        stream.stream.wait_stream(self.api.current_stream())
+
+        def copies():
+            for dst, src in pairs:
+                if src.device.type == "cuda" and dst.device.type != "cuda" and src.dtype != dst.dtype:
+                    src_on_device, src = src, src.to(dst.dtype)
+                    self.api.record_stream(src_on_device, stream.stream)
+                dst.copy_(src, non_blocking=True)
+                for t in (dst, src):
+                    if t.device.type == "cuda":
+                        self.api.record_stream(t, stream.stream)
+        return stream.submit(copies)
+
     def wait_on_compute(self, event: CUDAEvent) -> None:
         self.api.current_stream().wait_event(event.event)
+
+
+_SHARED: dict[str, DeviceRuntime] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_runtime(device: str | torch.device) -> DeviceRuntime:
+    """One runtime per device for the whole process (the optimizer's buckets use it: its "h2d" and "d2h"
+    streams are created once, not per bucket)."""
+    key = str(torch.device(device)) if str(device) != "auto" else "auto"
+    with _SHARED_LOCK:
+        if key not in _SHARED:
+            _SHARED[key] = device_runtime(key)
+        return _SHARED[key]
 
 
 def device_runtime(device: str | torch.device = "auto") -> DeviceRuntime:

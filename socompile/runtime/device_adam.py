@@ -5,9 +5,9 @@ GPU-resident buckets; on the CPU the same kernel exists, so the CPU tests check 
 Same contract as runtime/cpu_adam.step_bucket: step every run of segments with a gradient at ``steps[i] + 1``,
 scale gradients by ``grad_scale`` (clipping), return (sum of squared scaled gradients, any non-finite).
 
-NOTE: not yet called by socompile.AdamW. Device-stepped buckets are host memory on the CPU build (FlatBucket
-holds fp32 CPU parameters), where the socompile kernel is the right one; the optimizer's ``_step_now`` needs one
-line, ``(fused_step if bucket.master.is_cuda else step_bucket)(...)``, once buckets can live on a GPU.
+Called by runtime/cpu_adam.step_bucket (and ``device_grad_stats`` by its grad_stats) for a bucket whose
+buffers are not on the CPU: a device-stepped bucket of a model on a GPU (FlatBucket with a separate host master,
+``site="device"``). On the CPU build device-stepped buckets are host memory and take the socompile kernel.
 """
 from __future__ import annotations
 
@@ -30,4 +30,13 @@ def fused_step(bucket, groups: list[dict], grad_scale: float = 1.0) -> tuple[flo
                beta2=float(beta2), weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
                maximize=False)
     value = float(total)        # one device->host sync per bucket, as the kernel's own statistics need
+    return value, not torch.isfinite(torch.tensor(value)).item()
+
+
+def device_grad_stats(bucket) -> tuple[float, bool]:
+    """(sum of squared gradients in double, any non-finite) over the runs a step would use, on the device."""
+    total = torch.zeros((), dtype=torch.float64, device=bucket.grad.device)
+    for start, end, _, _ in bucket.runs(bucket.group_of):
+        total += bucket.grad[start:end].double().square().sum()
+    value = float(total)
     return value, not torch.isfinite(torch.tensor(value)).item()

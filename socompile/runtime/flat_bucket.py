@@ -17,8 +17,24 @@ from then on the optimizer state (exp_avg, exp_avg_sq and the spare's master/mom
 element k of the bucket is element ``k - state_lo`` of those buffers (``local(start, end)``). ``master`` and
 ``grad`` stay full size: the model's weights alias ``master``, and backward writes whole gradients, which the
 reduce-scatter reads. With one rank (or never sharded) the state is the whole bucket and nothing changes.
+
+NOTE: host master, "shared" or "separate" (mirror). Shared (the default for fp32 CPU parameters): as above, the
+parameters alias ``master``. Separate (parameters on a GPU, or not fp32, or forced): the bucket keeps a flat
+``weights`` buffer in the parameters' own dtype and device, and each parameter's ``.data`` is a view of it (one
+copy per bucket moves them); ``master``, ``grad``, the moments and the spare stay on the host (pinned on CUDA).
+Gradients arriving from the device are copied into the host ``grad`` (``receive_many``: on CUDA a non_blocking
+copy on the runtime's "d2h" stream whose event the CPU step waits on, ``wait_grads``; on the CPU a plain copy),
+and once a step is final ``upload`` casts the master into ``weights`` (on CUDA a non_blocking copy on the "h2d"
+stream; ``opt.step()`` makes the compute stream wait for its event before the next forward). A ping-pong commit
+then swaps ``master`` only: parameters stay views of ``weights``. Weight-flow buckets (``flow``) keep no device
+bytes between uses: the storage of ``weights`` is resized to 0 (as FSDP2 does; tensor metadata stays, so Dynamo's
+guards still match), and each use fetches the master (runtime/offload.py). A device-stepped bucket (``site ==
+"device"``) keeps master, gradient and moments on the device; its parameters alias ``master`` when they are fp32,
+else ``weights`` is a device copy cast from ``master`` after each step.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -39,13 +55,31 @@ def shard_window(numel: int, rank: int, world: int) -> tuple[int, int]:
 
 
 class FlatBucket:
-    def __init__(self, index: int, params: list[nn.Parameter], shard: tuple[int, int] | None = None):
-        for p in params:
-            if p.dtype != torch.float32 or p.device.type != "cpu":
-                raise TypeError(f"socompile optimizer buckets hold fp32 CPU parameters for now; got a "
-                                f"{p.dtype} parameter on {p.device}. Keep master weights in fp32 (model.float()).")
+    def __init__(self, index: int, params: list[nn.Parameter], shard: tuple[int, int] | None = None, *,
+                 host_master: str = "shared", site: str = "cpu", flow: bool = False, runtime=None):
+        if host_master not in ("shared", "separate"):
+            raise ValueError(f"host_master must be 'shared' or 'separate', got {host_master!r}")
+        self.mirror = host_master == "separate"
+        if not self.mirror:
+            for p in params:
+                if p.dtype != torch.float32 or p.device.type != "cpu":
+                    raise TypeError(f"host_master='shared' makes the parameters alias the fp32 host master, so it "
+                                    f"needs fp32 CPU parameters; got a {p.dtype} parameter on {p.device}. Use "
+                                    f"host_master='auto' (a separate host master for GPU or non-fp32 parameters).")
+        elif params and len({(p.dtype, p.device) for p in params}) > 1:
+            kinds = sorted({f"{p.dtype} on {p.device}" for p in params})
+            raise TypeError(f"the parameters of one optimizer bucket must share dtype and device (one flat device "
+                            f"buffer holds them); bucket {index} has {', '.join(kinds)}. Cast the model to one dtype "
+                            f"(model.to(torch.bfloat16)) or put the odd parameters in their own param group.")
+        if shard is not None and shard[1] > 1 and self.mirror:
+            self._no_zero()
         self.index = index
         self.params = list(params)
+        self.site = site               # "cpu": the CPU kernel steps the host master; "device": state on the device
+        self.flow = flow and self.mirror and site == "cpu"
+        self.runtime = runtime         # DeviceRuntime of the parameters' device (mirror mode)
+        self.dtype = params[0].dtype if params else torch.float32
+        self.device = params[0].device if params else torch.device("cpu")
         self.offsets, self.sizes = [], []
         total = 0
         for p in params:
@@ -53,16 +87,29 @@ class FlatBucket:
             self.sizes.append(p.numel())
             total += _round_up(p.numel(), ALIGN)
         self.numel = total
-        self.master = torch.zeros(total)
-        self.grad = torch.zeros(total)
+        self.master = self._state_buffer(total)
+        self.grad = self._state_buffer(total)
+        # mirror mode: the parameters' flat device buffer (None: the parameters alias ``master``)
+        self.weights = None
+        if self.mirror and not (site == "device" and self.dtype == torch.float32):
+            self.weights = torch.zeros(total, dtype=self.dtype, device=self.device)
+        self.dirty = False             # master changed since the last upload
+        self.grad_event = None         # CUDA: the D2H copy of the last gradients (the CPU step waits on it)
+        self.upload_event = None       # CUDA: the last upload (host buffers it reads are not rewritten before it)
+        self._upload_waited = True     # the compute stream was told to wait for upload_event
+        self._pending_adds: list[int] = []   # CUDA accumulation: segments staged in _stage32, to add to grad
+        self._stage32 = None
+        self._stage16 = None           # CUDA bf16 weights: pinned bf16 copy of master, uploaded as is
+        self._low_synced = True        # the bf16 copy the kernel may write (weights on the CPU, _stage16 on CUDA)
+        #                                equals master cast to bf16
         self.window = None         # ZeRO: (lo, hi) elements this rank steps; None: the whole bucket
         self.state_lo = 0          # bucket element at which exp_avg / exp_avg_sq / the spare start
         state = total
         if shard is not None and shard[1] > 1:
             self.window = shard_window(total, *shard)
             self.state_lo, state = self.window[0], self.window[1] - self.window[0]
-        self.exp_avg = torch.zeros(state)
-        self.exp_avg_sq = torch.zeros(state)
+        self.exp_avg = self._state_buffer(state)
+        self.exp_avg_sq = self._state_buffer(state)
         self.steps = [0] * len(params)
         self.has_grad = [False] * len(params)
         self.arrivals = 0          # backward passes that delivered this bucket's gradients since the last step
@@ -74,6 +121,124 @@ class FlatBucket:
         self.spare = None          # (master, exp_avg, exp_avg_sq) of the ping-pong spare, allocated on first use
         self._views: dict[tuple[int, int], torch.Tensor] = {}
 
+    # ------------------------------------------------------------ mirror mode
+    def _cuda_host(self) -> bool:
+        """Host buffers that the runtime's copy streams read or write asynchronously (pinned)."""
+        return self.mirror and self.site == "cpu" and self.runtime is not None and self.runtime.kind == "cuda"
+
+    def _state_buffer(self, n: int) -> torch.Tensor:
+        """A zeroed fp32 buffer for master / grad / moments / spare: on the device for a device-stepped mirror
+        bucket, pinned host memory when a CUDA runtime copies it, else ordinary host memory."""
+        if self.mirror and self.site == "device":
+            return torch.zeros(n, dtype=torch.float32, device=self.device)
+        if self._cuda_host():
+            return self.runtime.host_buffer(n, torch.float32).zero_()
+        return torch.zeros(n)
+
+    @staticmethod
+    def _no_zero():
+        raise NotImplementedError(
+            "ZeRO sharding (socompile.distributed.shard_optimizer) of a socompile.AdamW with a separate host master "
+            "(host_master='separate', GPU or non-fp32 parameters) is not implemented: it needs the reduce-scatter "
+            "of the device gradients before their copy to the host shard, and an upload of the all-gathered master "
+            "to every rank's device weights. Use fp32 CPU parameters (host_master='shared') with ZeRO for now.")
+
+    def low_out(self) -> torch.Tensor | None:
+        """Where a final in-place kernel step may write the bf16 copy of the updated master in the same pass:
+        the device weights themselves on the CPU build (they are host memory), the pinned bf16 stage that is
+        uploaded as is on CUDA; None when the weights are not bf16, or flow, or stepped on the device. Only
+        valid while that copy is in sync with the master (else the whole bucket is cast at upload)."""
+        if self.weights is None or self.flow or self.site != "cpu" or self.dtype != torch.bfloat16:
+            return None
+        if not self._low_synced:
+            return None
+        if self.runtime is not None and self.runtime.kind == "cuda":
+            if self._stage16 is None:
+                return None
+            return self._stage16
+        return self.weights
+
+    def before_host_write(self) -> None:
+        """Before the kernel rewrites master / the bf16 stage: the upload that reads them must be done (CUDA)."""
+        if self.upload_event is not None:
+            self.upload_event.synchronize()
+            self.upload_event = None
+
+    def upload(self) -> None:
+        """Make the device weights equal to the master cast to their dtype (round to nearest even), once the
+        master is final. CPU build: a plain copy (none when the kernel already wrote the bf16 copy). CUDA: a
+        non_blocking copy from pinned memory on the "h2d" stream, after the compute stream passed this bucket's
+        last read (its gradient event); ``wait_upload_on_compute`` orders the next forward after it."""
+        self.dirty = False
+        if not self.mirror or self.weights is None or self.flow:
+            return
+        if self.site == "device":          # a device-side cast on the current stream
+            self.weights.copy_(self.master)
+            return
+        rt = self.runtime
+        if rt is None or rt.kind == "cpu":
+            if self.dtype != torch.bfloat16 or not self._low_synced:
+                self.weights.copy_(self.master)
+            self._low_synced = True
+            return
+        src = self.master
+        if self.dtype == torch.bfloat16:   # cast on the host: half the bytes cross the link
+            if self._stage16 is None:
+                self._stage16 = rt.host_buffer(self.numel, torch.bfloat16)
+                self._low_synced = False
+            if not self._low_synced:
+                self.before_host_write()
+                self._stage16.copy_(self.master)
+            self._low_synced = True
+            src = self._stage16
+        h2d = rt.stream("h2d")
+        if self.grad_event is not None:    # the compute stream is past the last read of these weights
+            h2d.wait_event(self.grad_event)
+        self.upload_event = rt.copy_async(self.weights, src, h2d)
+        self._upload_waited = False
+
+    def wait_upload_on_compute(self) -> None:
+        """The compute stream waits (no host block) for this bucket's upload before it reads the weights."""
+        if self.upload_event is not None and not self._upload_waited:
+            self.runtime.wait_on_compute(self.upload_event)
+            self._upload_waited = True
+
+    def free_weights(self) -> None:
+        """A flow bucket's device weights hold no bytes between uses (the storage is resized to 0; the views'
+        sizes and strides stay, so guards on them still match; reading one is an invalid access)."""
+        if self.weights is not None and self.flow:
+            self.weights.untyped_storage().resize_(0)
+
+    @contextlib.contextmanager
+    def materialized(self, pull: bool = False):
+        """A flow bucket's device weights, filled from the master, for as long as the block runs (checkpoints,
+        eager evaluation); with ``pull``, values written into the parameters meanwhile go back into the master."""
+        if self.weights is None or not self.flow or self.weights.untyped_storage().nbytes():
+            yield
+            if pull:
+                self.pull_from_weights()
+            return
+        self.weights.untyped_storage().resize_(self.numel * self.weights.element_size())
+        try:
+            self.weights.copy_(self.master)
+            yield
+            if pull:
+                self.pull_from_weights()
+        finally:
+            self.free_weights()
+
+    def pull_from_weights(self) -> None:
+        """The master from the parameters (after something wrote the weights directly, e.g. a model
+        ``load_state_dict``): exact for fp32 weights; bf16 weights give their bf16 values."""
+        if self.weights is None or not self.weights.untyped_storage().nbytes():
+            return   # parameters alias the master, or flow weights that hold nothing (see ``materialized``)
+        self.before_host_write()
+        for i in range(len(self.params)):
+            seg = self.segment(i)
+            self.master[seg].copy_(self.weights[seg])
+        self._low_synced = False
+        self.dirty = True
+
     def segment(self, i: int) -> slice:
         return slice(self.offsets[i], self.offsets[i] + self.sizes[i])
 
@@ -82,7 +247,8 @@ class FlatBucket:
         step path asks for the same ones every iteration (grads, moments, weights after a ping-pong swap), and
         making a view costs microseconds per parameter. Only the bucket's own buffers are cached (two ping-pong
         sets at most); a cached view keeps its buffer alive, so the address in the key cannot be reused."""
-        own = (self.master, self.grad, self.exp_avg, self.exp_avg_sq, *(self.spare or ()))
+        own = (self.master, self.grad, self.exp_avg, self.exp_avg_sq, *(self.spare or ()),
+               *((self.weights,) if self.weights is not None else ()))
         if not any(buffer is b for b in own):
             return buffer[self.segment(i)].view(self.params[i].shape)
         key = (buffer.data_ptr(), i)
@@ -121,29 +287,45 @@ class FlatBucket:
         if self.window is not None or world <= 1:
             self.window = self.window or (0, self.numel)
             return
+        if self.mirror:
+            self._no_zero()
         lo, hi = self.window = shard_window(self.numel, rank, world)
         self.exp_avg, self.exp_avg_sq = self.exp_avg[lo:hi].clone(), self.exp_avg_sq[lo:hi].clone()
         self.state_lo, self.spare = lo, None
 
     def adopt(self, previous: dict[int, tuple["FlatBucket", int]]) -> None:
         """Fill this bucket from the parameters (or from the bucket that held them before) and re-point
-        each parameter's storage into ``master``."""
+        each parameter's storage into ``master`` (shared) or into the device ``weights`` (separate: filled by
+        casting the master, which for a parameter seen for the first time is its own value, upcast)."""
         for i, p in enumerate(self.params):
             old = previous.get(id(p))
             seg = self.segment(i)
             if old is not None:
                 bucket, j = old
                 src = bucket.segment(j)
+                bucket.wait_grads()
                 self.master[seg].copy_(bucket.master[src])
                 self.grad[seg].copy_(bucket.grad[src])
                 self._adopt_state(i, bucket, j)
                 self.steps[i], self.has_grad[i] = bucket.steps[j], bucket.has_grad[j]
             else:
                 self.master[seg].copy_(p.detach().reshape(-1))
-            p.data = self.view(self.master, i)
-            if p.grad is not None:  # keep a pending gradient, now as a view of this bucket
+            if not self.mirror:
+                p.data = self.view(self.master, i)
+                if p.grad is not None:  # keep a pending gradient, now as a view of this bucket
+                    self.view(self.grad, i).copy_(p.grad)
+                    p.grad = self.view(self.grad, i)
+            elif p.grad is not None:    # the device keeps its .grad; the host copy is what the step reads
                 self.view(self.grad, i).copy_(p.grad)
-                p.grad = self.view(self.grad, i)
+                self.has_grad[i] = True
+        if not self.mirror:
+            return
+        if self.weights is not None:
+            self.weights.copy_(self.master)
+            self._low_synced = True
+        for i, p in enumerate(self.params):
+            p.data = self.view(self.master if self.weights is None else self.weights, i)
+        self.free_weights()
 
     def _adopt_state(self, i: int, bucket: "FlatBucket", j: int) -> None:
         if not self.sharded and not bucket.sharded:
@@ -164,15 +346,57 @@ class FlatBucket:
 
     def receive(self, i: int, grad: torch.Tensor, accumulate: bool) -> None:
         """Store a gradient for parameter i (copy, or add when accumulating micro-batches)."""
-        dst = self.grad[self.segment(i)]
-        if accumulate and self.has_grad[i]:
-            dst.add_(grad.reshape(-1))
-        else:
-            dst.copy_(grad.reshape(-1))
-        self.has_grad[i] = True
+        self.receive_many([i], [grad], accumulate)
+
+    def receive_many(self, segments: list[int], grads: list[torch.Tensor], accumulate: bool) -> None:
+        """Store gradients (copy, or add when accumulating and the segment already has one). A gradient on
+        another device than ``grad`` (CUDA -> pinned host) is copied asynchronously on the runtime's "d2h"
+        stream after the compute stream's work so far; ``wait_grads`` waits for that copy's event (and adds
+        staged micro-batches). Anything else is a plain copy, converting the dtype (bf16 -> fp32)."""
+        remote = [g.device for g in grads if g.device != self.grad.device]
+        if remote and not self._cuda_host():
+            raise RuntimeError(f"socompile: bucket {self.index} got a gradient on {remote[0]} but has no CUDA "
+                               f"runtime to copy it to the host; this is a bug")
+        if self._cuda_host():
+            self.wait_grads()                  # a staged micro-batch is added before its stage is reused
+            pairs = []
+            for i, g in zip(segments, grads):
+                seg = self.segment(i)
+                add = accumulate and self.has_grad[i]
+                if add:
+                    if self._stage32 is None:
+                        self._stage32 = self.runtime.host_buffer(self.numel, torch.float32)
+                    self._pending_adds.append(i)
+                pairs.append(((self._stage32 if add else self.grad)[seg], g.reshape(-1)))
+                self.has_grad[i] = True
+            self.grad_event = self.runtime.copy_many_async(pairs, self.runtime.stream("d2h"))
+            return
+        for i, g in zip(segments, grads):
+            dst = self.grad[self.segment(i)]
+            if accumulate and self.has_grad[i]:
+                dst.add_(g.reshape(-1))
+            else:
+                dst.copy_(g.reshape(-1))
+            self.has_grad[i] = True
+
+    def wait_grads(self) -> None:
+        """Block this host thread until the bucket's gradient copy (CUDA event) is done; add staged
+        micro-batches. A no-op on the CPU build and for device-stepped buckets."""
+        if self.grad_event is None:
+            return
+        self.grad_event.synchronize()
+        for i in self._pending_adds:
+            seg = self.segment(i)
+            self.grad[seg].add_(self._stage32[seg])
+        self._pending_adds.clear()
 
     def gather_eager_grads(self) -> None:
         """Take gradients that autograd left in ``.grad`` (eager use, or parts of a model not compiled)."""
+        if self.mirror:   # .grad stays on the device in the parameter's dtype; the host keeps an fp32 copy
+            have = [i for i, p in enumerate(self.params) if p.grad is not None]
+            if have:
+                self.receive_many(have, [self.params[i].grad for i in have], accumulate=False)
+            return
         for i, p in enumerate(self.params):
             g = p.grad
             if g is None:
@@ -209,8 +433,8 @@ class FlatBucket:
         """Spare (master, exp_avg, exp_avg_sq), indexed like the state buffers (``local``): when sharded the
         spare master covers the window only."""
         if self.spare is None:
-            self.spare = (torch.zeros_like(self.exp_avg) if self.sharded else torch.zeros_like(self.master),
-                          torch.zeros_like(self.exp_avg), torch.zeros_like(self.exp_avg_sq))
+            self.spare = tuple(self._state_buffer(t.numel()) for t in
+                               ((self.exp_avg if self.sharded else self.master), self.exp_avg, self.exp_avg_sq))
         return self.spare
 
     def swap_in_spare(self) -> None:
@@ -237,6 +461,9 @@ class FlatBucket:
                 spare_v[seg].copy_(self.exp_avg_sq[seg])
         self.spare = (self.master, self.exp_avg, self.exp_avg_sq)
         self.master, self.exp_avg, self.exp_avg_sq = spare_master, spare_m, spare_v
+        self.dirty, self._low_synced = True, False
+        if self.mirror and self.weights is not None:
+            return   # the parameters stay views of the device weights; upload() brings the new master there
         for i, p in enumerate(self.params):
             p.data = self.view(self.master, i)
 

@@ -41,12 +41,19 @@ class OffloadRuntime:
         self.link_dtype = {b.index: _DTYPES[b.param_link_dtype] for b in plan.buckets if b.weight_mode == "flow"}
         weight_bytes = plan.prediction("param_dtype_bytes", 4)
         for b, flat in zip(plan.buckets, buckets):
+            # A separate host master (FlatBucket.mirror) gives the parameters their own flat device buffer:
+            # book its real bytes (the parameters' dtype). Shared: the parameters are the fp32 master itself.
+            weights = getattr(flat, "weights", None)
             if b.optimizer_site == "device":
                 # fp32 master, gradient and Adam moments on the device (on the CPU build: the bucket's buffers)
                 self.ledger.alloc("GPU optimizer state", b.index, 4 * sum(
                     t.numel() for t in (flat.master, flat.grad, flat.exp_avg, flat.exp_avg_sq)))
+                if weights is not None:   # non-fp32 parameters: a device copy cast from the master
+                    self.ledger.alloc("stationary weights", b.index, weights.numel() * weights.element_size())
             elif b.weight_mode == "stationary":
-                self.ledger.alloc("stationary weights", b.index, flat.master.numel() * weight_bytes)
+                nbytes = flat.master.numel() * weight_bytes if weights is None else \
+                    weights.numel() * weights.element_size()
+                self.ledger.alloc("stationary weights", b.index, nbytes)
         self.handle = handles.register(self)
 
     def numel(self, bucket: int) -> int:

@@ -1,0 +1,513 @@
+"""A separate host master ("mirror" mode, runtime/flat_bucket.py): the parameters keep their own dtype and device
+in one flat buffer per bucket; the fp32 master, gradients and moments stay on the host; gradients are copied in,
+the final master is uploaded (cast) after each step; flow buckets' device weights hold no bytes between uses.
+
+On this CPU the mirror is forced on fp32 CPU parameters (``host_master="separate"``), where it must be bitwise
+equal to the shared mode (same kernel on the same values; only the copies differ), and arises by itself for a
+bf16 model. The CUDA ordering (gradient D2H event waited on by the worker, upload on the h2d stream waited on by
+the compute stream) is checked with the recording stand-in for torch.cuda of tests/test_runtime_device.py.
+
+Tolerance of the bf16 model against its eager reference (bf16 model; fp32 master copy stepped by
+torch.optim.AdamW with the fp32-upcast bf16 gradients; cast back to bf16 each step): the compute is the same
+bf16 aten ops on bitwise equal weights as long as the masters round alike; the kernel's correctly rounded sqrt
+differs from torch's by an ulp (see tests/test_backend_training.py), so the masters differ by ~1 fp32 ulp
+(measured 6e-8 after 4 steps: atol 1e-6), and a master that close to a bf16 rounding boundary rounds to the
+neighbouring bf16 value: measured 9 of 459k weights one bf16 ulp apart. So the weights are bounded by one bf16
+ulp (2**-8 to 2**-7 of the value) and at most 1e-4 of them may differ at all; a stale upload (weights one step behind) moves
+~all of them by ~lr and fails both bounds.
+"""
+import copy
+import math
+
+import pytest
+import torch
+
+import socompile
+from socompile.models import build
+from socompile.plan.memory import runtime_device_bytes
+from socompile.runtime import device as dev
+from socompile.runtime.cpu_adam import step_bucket
+from socompile.runtime.flat_bucket import FlatBucket
+from training_helpers import batches, lm_loss
+
+HYP = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+STEPS = 3
+
+
+def tiny():
+    return build("tiny", n_layers=2)
+
+
+def train(host_master, steps=STEPS, options=None, dtype=None, clip=None, nan_at=(), compute="eager",
+          accumulate=1, rollback="pingpong", check=None):
+    torch.manual_seed(0)
+    model = tiny()
+    if dtype is not None:
+        model = model.to(dtype)
+    opt = socompile.AdamW(model.parameters(), max_grad_norm=clip, host_master=host_master,
+                          grad_accumulation_steps=accumulate, rollback=rollback, **HYP)
+    backend = socompile.SuperOffload({"compute": compute, "gpu_buckets": 0, "bucket_size": "256KB",
+                                      **(options or {})})
+    cmodel = torch.compile(model, backend=backend)
+    data = batches(steps * accumulate)
+    for step in range(steps):
+        for micro in range(accumulate):
+            x, y = data[step * accumulate + micro]
+            loss = lm_loss(cmodel(x).float(), y)
+            if step in nan_at:
+                loss = loss * float("nan")
+            if check is not None:
+                check("forward", opt)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if check is not None:
+            check("step", opt)
+    return model, opt, backend
+
+
+def params_of(model, opt):
+    """The parameters' values (flow buckets' weights are cast from the master for the moment)."""
+    with opt.materialized_weights():
+        return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_bitwise(a, b):
+    (ma, oa), (mb, ob) = a, b
+    for p, q in zip(params_of(ma, oa), params_of(mb, ob)):
+        assert torch.equal(p, q)
+    assert len(oa.buckets) == len(ob.buckets)
+    for x, y in zip(oa.buckets, ob.buckets):
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(getattr(x, name), getattr(y, name)), name
+        assert x.steps == y.steps
+
+
+def assert_runtime_as_planned(ctx):
+    predicted = runtime_device_bytes(ctx.plan, ctx.ir)
+    ledger = ctx.offload.ledger.summary()
+    assert ledger["peak"] == predicted["peak"], (ledger, predicted)
+    assert ledger["current"] == predicted["fixed"]
+
+
+MIX = dict(gpu_buckets=3, weight_mode="flow:1,4", prefetch_distance=1)   # stationary + flow + device-stepped
+CASES = {"stationary": dict(weight_mode="stationary"), "flow": dict(weight_mode="flow", prefetch_distance=1),
+         "mix": MIX}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_forced_separate_master_on_fp32_is_bitwise_equal_to_the_shared_master(case):
+    shared, so, _ = train("shared", options=CASES[case])
+    mirror, mo, backend = train("separate", options=CASES[case])
+    assert so.host_master == "shared" and mo.host_master == "separate"
+    assert_bitwise((shared, so), (mirror, mo))
+    ctx = backend.compiled[0]
+    sites = [b.optimizer_site for b in ctx.plan.buckets]
+    modes = [b.weight_mode for b in ctx.plan.buckets]
+    for bucket, site, mode in zip(mo.buckets, sites, modes):
+        assert bucket.mirror and bucket.site == site and bucket.flow == (mode == "flow" and site == "cpu")
+        p = bucket.params[0]
+        if site == "device":    # fp32 weights of a device-stepped bucket are its (device) master
+            assert bucket.weights is None and p.untyped_storage().data_ptr() == bucket.master.data_ptr()
+        else:                   # the parameters are views of the device buffer, never of the host master
+            assert p.untyped_storage().data_ptr() == bucket.weights.untyped_storage().data_ptr()
+            assert p.untyped_storage().data_ptr() != bucket.master.untyped_storage().data_ptr()
+            assert (bucket.weights.untyped_storage().nbytes() == 0) == (mode == "flow")
+    if case == "mix":
+        assert sites.count("device") == 3 and modes.count("flow") == 2
+    assert_runtime_as_planned(ctx)
+
+
+def test_forced_separate_master_with_inductor_compute_is_bitwise_equal_to_the_shared_master():
+    # (Inductor with only some buckets flowing, e.g. weight_mode="flow:4", fails in the shared mode too: a
+    # prefetch goes missing; a known bug of the flow passes under Inductor, not of the separate master.)
+    options = dict(gpu_buckets=3, weight_mode="flow", prefetch_distance=1)
+    a = train("shared", options=options, compute="inductor")[:2]
+    b = train("separate", options=options, compute="inductor")[:2]
+    assert_bitwise(a, b)
+
+
+@pytest.mark.parametrize("rollback", ["pingpong", "inverse"])
+def test_commit_redo_and_skip_upload_the_right_master(rollback):
+    """max_grad_norm small enough that every step is clipped (roll back, redo), and a NaN loss at step 1 (roll
+    back, skip): the uploads after commit/redo/rollback give the same weights as the shared mode's."""
+    kwargs = dict(steps=4, options=dict(weight_mode="flow:2", prefetch_distance=1), clip=0.5, nan_at=(1,),
+                  rollback=rollback)
+    shared, so, _ = train("shared", **kwargs)
+    mirror, mo, _ = train("separate", **kwargs)
+    counters = ("speculated", "committed", "rolled_back", "redone", "steps")
+    assert mo.stats["rolled_back"] > 0 and mo.stats["redone"] > 0
+    assert [mo.stats[k] for k in counters] == [so.stats[k] for k in counters]
+    assert all(b.steps and max(b.steps) == 3 for b in mo.buckets)     # 4 steps, one skipped
+    assert_bitwise((shared, so), (mirror, mo))
+
+
+def test_speculative_steps_do_not_reach_the_device_weights_before_commit():
+    """A ping-pong speculative step writes the spare; the device weights change only at the commit's upload."""
+    seen = {}
+
+    def check(when, opt):
+        if when == "forward":
+            seen["before"] = [b.weights.clone() for b in opt.buckets if b.weights is not None]
+
+    _, opt, _ = train("separate", steps=2, clip=1e9, options=dict(weight_mode="stationary"), check=check)
+    assert opt.stats["speculated"] > 0 and opt.stats["committed"] == opt.stats["speculated"]
+    # after backward the speculated buckets' weights were still those of the forward, and the commit changed them
+    for bucket, before in zip([b for b in opt.buckets if b.weights is not None], seen["before"]):
+        assert not torch.equal(bucket.weights, before)
+        assert torch.equal(bucket.weights, bucket.master)
+    # backward alone (speculation, no opt.step) leaves the device weights alone
+    torch.manual_seed(0)
+    model = tiny()
+    opt = socompile.AdamW(model.parameters(), max_grad_norm=1e9, host_master="separate", **HYP)
+    cmodel = torch.compile(model, backend=socompile.SuperOffload(compute="eager", gpu_buckets=0, bucket_size="256KB",
+                                                                 weight_mode="stationary"))
+    x, y = batches(1)[0]
+    before = [p.detach().clone() for p in model.parameters()]
+    lm_loss(cmodel(x), y).backward()
+    assert opt.stats["speculated"] == len(opt.buckets)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    opt.step()
+    assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_gradient_accumulation_with_a_separate_master_is_bitwise_equal():
+    a = train("shared", steps=2, accumulate=2)[:2]
+    b = train("separate", steps=2, accumulate=2)[:2]
+    assert all(p.grad is None for p in b[0].parameters())    # the gradients live on the host only
+    assert_bitwise(a, b)
+
+
+def test_flow_weights_hold_no_device_bytes_between_uses_and_nothing_recompiles():
+    """Between uses (after the forward, after the step) every flow bucket's device storage has 0 bytes; the
+    stationary ones hold their weights; three steps compile once (no guard fails on the resized storage)."""
+    import torch._dynamo
+
+    checks = []
+
+    def check(when, opt):
+        flow = [b for b in opt.buckets if b.flow]
+        assert flow and all(b.weights.untyped_storage().nbytes() == 0 for b in flow)
+        assert all(p.untyped_storage().nbytes() == 0 for b in flow for p in b.params)
+        stationary = [b for b in opt.buckets if not b.flow]
+        assert stationary and all(b.weights.untyped_storage().nbytes() == b.numel * 4 for b in stationary)
+        checks.append(when)
+
+    torch._dynamo.utils.counters.clear()
+    model, opt, backend = train("separate", options=dict(weight_mode="flow:0,2,5", prefetch_distance=1),
+                                check=check)
+    assert checks == ["forward", "step"] * STEPS
+    assert len(backend.compiled) == 1
+    assert sum(torch._dynamo.utils.counters["recompiles"].values()) == 0
+    ctx = backend.compiled[0]
+    stationary = [b for b in opt.buckets if not b.flow]
+    assert ctx.offload.ledger.summary()["by_category"]["stationary weights"] == sum(
+        b.weights.numel() * b.weights.element_size() for b in stationary)
+    assert ctx.offload.live_fetched() == 0
+    # a 4th step with recompiles turned into errors
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        cmodel = torch.compile(model, backend=backend)
+        x, y = batches(1)[0]
+        lm_loss(cmodel(x), y).backward()
+        opt.step()
+
+
+def bf16_pair(options, steps=4, clip=None, compute="eager"):
+    """The bf16 model through socompile, and the eager reference: bf16 model, fp32 master copy stepped by
+    torch.optim.AdamW with the fp32-upcast bf16 gradients (clipped like ours), cast back to bf16 each step."""
+    torch.manual_seed(0)
+    ours = tiny().to(torch.bfloat16)
+    ref = copy.deepcopy(ours)
+    opt = socompile.AdamW(ours.parameters(), max_grad_norm=clip, **HYP)
+    rparams = list(ref.parameters())
+    masters = [p.detach().float().clone().requires_grad_() for p in rparams]
+    ref_opt = torch.optim.AdamW(masters, **HYP)
+    backend = socompile.SuperOffload({"compute": compute, "gpu_buckets": 0, "bucket_size": "256KB", **options})
+    cmodel = torch.compile(ours, backend=backend)
+    for x, y in batches(steps):
+        lm_loss(cmodel(x).float(), y).backward()
+        lm_loss(ref(x).float(), y).backward()
+        for m, p in zip(masters, rparams):
+            m.grad = p.grad.float()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(masters, clip)
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(masters, rparams):
+                p.copy_(m)
+    return ours, ref, masters, opt, backend
+
+
+def assert_bf16_close(ours, ref, masters, opt):
+    for p, m in zip(ours.parameters(), masters):
+        bucket, i = opt._slot[id(p)]
+        torch.testing.assert_close(bucket.view(bucket.master, i), m.detach(), atol=1e-6, rtol=0)
+    differ = total = 0
+    with opt.materialized_weights():
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            assert p.dtype == torch.bfloat16
+            d = (p.float() - q.float()).abs()
+            assert (d <= q.float().abs() * 2.0 ** -7).all()     # at most one bf16 ulp (2**-8..2**-7 relative)
+            differ, total = differ + int((d > 0).sum()), total + d.numel()
+    assert differ <= 1e-4 * total, (differ, total)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bf16_model_trains_like_an_fp32_master_reference(case):
+    ours, ref, masters, opt, backend = bf16_pair(CASES[case])
+    assert opt.host_master == "separate"                        # chosen by "auto": the parameters are bf16
+    assert all(b.master.dtype == torch.float32 for b in opt.buckets)
+    assert all(b.weights.dtype == torch.bfloat16 for b in opt.buckets)   # device-stepped too: a bf16 copy
+    assert_bf16_close(ours, ref, masters, opt)
+    assert_runtime_as_planned(backend.compiled[0])
+
+
+@pytest.mark.slow
+def test_bf16_model_with_clipping_and_inductor_trains_like_the_reference():
+    ours, ref, masters, opt, _ = bf16_pair(MIX, clip=0.5, compute="inductor")
+    assert opt.last_step_clipped
+    assert_bf16_close(ours, ref, masters, opt)
+
+
+def test_bf16_model_used_eagerly_keeps_its_device_grads_and_matches_the_reference():
+    torch.manual_seed(0)
+    ours = tiny().to(torch.bfloat16)
+    ref = copy.deepcopy(ours)
+    opt = socompile.AdamW(ours.parameters(), **HYP)
+    masters = [p.detach().float().clone().requires_grad_() for p in ref.parameters()]
+    ref_opt = torch.optim.AdamW(masters, **HYP)
+    for x, y in batches(3):
+        lm_loss(ours(x).float(), y).backward()
+        lm_loss(ref(x).float(), y).backward()
+        assert all(p.grad.dtype == torch.bfloat16 for p in ours.parameters())
+        opt.step()
+        for m, p in zip(masters, ref.parameters()):
+            m.grad = p.grad.float()
+        ref_opt.step()
+        with torch.no_grad():
+            for m, p in zip(masters, ref.parameters()):
+                p.copy_(m)
+        opt.zero_grad()
+        ref.zero_grad()
+    assert_bf16_close(ours, ref, masters, opt)
+
+
+def test_checkpoint_round_trip_with_flow_buckets_and_a_separate_master(tmp_path):
+    """socompile.save/load with flow buckets (0-byte device storage): the model state holds real values, the
+    optimizer state keeps torch's layout (plus the fp32 "master" of bf16 parameters); training resumed from the
+    checkpoint equals training straight on."""
+    options = dict(weight_mode="flow:1,4", prefetch_distance=1)
+    straight, so, _ = train("separate", steps=4, options=options, dtype=torch.bfloat16)
+
+    torch.manual_seed(0)
+    first, fo, _ = train("separate", steps=2, options=options, dtype=torch.bfloat16)
+    socompile.save(tmp_path / "ckpt.pt", first, fo, step=2)
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    with fo.materialized_weights():
+        for name, p in first.named_parameters():      # real values (a flow weight's storage held 0 bytes)
+            t = state["model"][name]
+            assert t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * 2 and torch.equal(t, p)
+    opt_state = state["optimizer"]["state"][0]
+    assert set(opt_state) == {"step", "exp_avg", "exp_avg_sq", "master"} and opt_state["master"].dtype == torch.float32
+    reference = torch.optim.AdamW(tiny().to(torch.bfloat16).parameters())
+    reference.load_state_dict(state["optimizer"])               # torch's AdamW takes it (and ignores "master")
+
+    torch.manual_seed(1)
+    resumed = tiny().to(torch.bfloat16)
+    ro = socompile.AdamW(resumed.parameters(), **HYP)
+    backend = socompile.SuperOffload(compute="eager", gpu_buckets=0, bucket_size="256KB", **options)
+    cmodel = torch.compile(resumed, backend=backend)
+    x, y = batches(1)[0]
+    cmodel(x)                                                   # compiled (and flow storage freed) before the load
+    assert socompile.load(tmp_path / "ckpt.pt", resumed, ro) == {"step": 2}
+    for bucket, other in zip(ro.buckets, fo.buckets):
+        assert torch.equal(bucket.master, other.master)         # the fp32 master, not the bf16 weights upcast
+    for x, y in batches(4)[2:]:
+        lm_loss(cmodel(x).float(), y).backward()
+        ro.step()
+        ro.zero_grad()
+    for a, b in zip(ro.buckets, so.buckets):
+        assert torch.equal(a.master, b.master) and torch.equal(a.exp_avg_sq, b.exp_avg_sq)
+    assert all(torch.equal(p, q) for p, q in zip(params_of(resumed, ro), params_of(straight, so)))
+
+
+def test_zero_sharding_of_a_separate_master_says_what_is_missing():
+    params = [torch.nn.Parameter(torch.randn(40, 3))]
+    bucket = FlatBucket(0, params, host_master="separate", runtime=dev.CPURuntime())
+    with pytest.raises(NotImplementedError, match="reduce-scatter of the device gradients"):
+        bucket.shard(0, 2)
+    shared = FlatBucket(0, [torch.nn.Parameter(torch.randn(40, 3))])
+    shared.shard(0, 2)
+    assert shared.sharded
+
+
+def test_a_shared_master_refuses_non_fp32_parameters_and_auto_picks_separate():
+    params = [torch.nn.Parameter(torch.randn(4, 4, dtype=torch.bfloat16))]
+    with pytest.raises(TypeError, match="host_master='auto'"):
+        socompile.AdamW(params, host_master="shared")
+    assert socompile.AdamW([torch.nn.Parameter(torch.randn(3))]).host_master == "shared"
+    with pytest.raises(TypeError, match="share dtype and device"):
+        FlatBucket(0, [torch.nn.Parameter(torch.randn(3)), params[0]], host_master="separate")
+
+
+# ------------------------------------------------------------------ CUDA ordering, with the recorder stand-in
+def cuda_bucket(dtype):
+    from test_runtime_device import _Recorder
+    api = _Recorder()
+    rt = dev.CUDARuntime("cuda", api=api)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(37, 5).to(dtype)), torch.nn.Parameter(torch.randn(20).to(dtype))]
+    bucket = FlatBucket(0, params, host_master="separate", runtime=rt)
+    bucket.group_of = [0, 0]
+    bucket.adopt({})
+    return bucket, api, params
+
+
+def _names(api, kind):
+    return [c for c in api.calls if c[0] == kind]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_gradients_go_to_pinned_host_memory_on_the_d2h_stream_and_the_worker_waits_on_their_event(dtype):
+    bucket, api, params = cuda_bucket(dtype)
+    assert ("pinned", bucket.numel) in api.calls                # master / grad / moments are pinned
+    api.calls.clear()
+    grads = [torch.randn(p.shape).to(dtype) for p in params]
+    bucket.receive_many([0, 1], grads, accumulate=True)
+    kinds = [c[0] for c in api.calls]
+    # the d2h stream waits for the compute stream (gradients are written there), copies, records ONE event
+    assert kinds.count("wait_stream") == 1 and kinds.count("record") == 1
+    assert kinds.index("wait_stream") < kinds.index("use_stream") < kinds.index("record")
+    d2h = api.calls[kinds.index("use_stream")][1]
+    event = bucket.grad_event.event.name
+    assert ("record", event, d2h) in api.calls
+    assert not _names(api, "event_synchronize")                 # the training thread did not block
+    bucket.wait_grads()                                         # the worker waits on that event only
+    assert api.calls[-1] == ("event_synchronize", event)
+    for i, g in enumerate(grads):
+        torch.testing.assert_close(bucket.view(bucket.grad, i), g.float(), atol=0, rtol=0)
+    # a second micro-batch is staged in its own pinned buffer and added once its copy is waited for
+    bucket.receive_many([0, 1], grads, accumulate=True)
+    bucket.wait_grads()
+    for i, g in enumerate(grads):
+        torch.testing.assert_close(bucket.view(bucket.grad, i), 2 * g.float(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_upload_runs_on_the_h2d_stream_after_the_gradient_event_and_the_compute_stream_waits_for_it(dtype):
+    bucket, api, params = cuda_bucket(dtype)
+    bucket.receive_many([0, 1], [torch.randn(p.shape).to(dtype) for p in params], accumulate=False)
+    grad_event = bucket.grad_event.event.name
+    bucket.wait_grads()
+    api.calls.clear()
+    step_bucket(bucket, [dict(HYP, eps=1e-8, decoupled=True)], final=True)
+    bucket.upload()
+    kinds = [c[0] for c in api.calls]
+    # h2d waits for the gradient event (compute is past the last read of these weights) and for compute
+    h2d = next(c[1] for c in api.calls if c[0] == "wait_event")
+    assert ("wait_event", h2d, grad_event) in api.calls
+    assert kinds.index("wait_event") < kinds.index("use_stream") < kinds.index("record")
+    upload = bucket.upload_event.event.name
+    assert ("record", upload, h2d) in api.calls and ("use_stream", h2d) in api.calls
+    assert not _names(api, "event_synchronize")
+    bucket.wait_upload_on_compute()                             # before the next forward: a queued wait, no block
+    assert api.calls[-1] == ("wait_event", "compute", upload)
+    bucket.wait_upload_on_compute()                             # once
+    assert _names(api, "wait_event")[-1] == ("wait_event", "compute", upload) and \
+        len([c for c in api.calls if c == ("wait_event", "compute", upload)]) == 1
+    # the device weights are the master rounded to their dtype (RNE, like .to(bf16)); bf16 went through the
+    # pinned bf16 stage the kernel wrote in the same pass as the step
+    assert torch.equal(bucket.weights, bucket.master.to(dtype))
+    if dtype == torch.bfloat16:
+        assert bucket._stage16 is not None and torch.equal(bucket._stage16, bucket.master.to(dtype))
+    # the next step first waits for the upload that reads the host buffers it rewrites
+    api.calls.clear()
+    step_bucket(bucket, [dict(HYP, eps=1e-8, decoupled=True)], final=True)
+    assert api.calls[0] == ("event_synchronize", upload)
+
+
+def test_an_upload_never_synchronizes_a_stream_and_is_skipped_for_flow_buckets():
+    bucket, api, _ = cuda_bucket(torch.float32)
+    bucket.flow = True
+    api.calls.clear()
+    bucket.dirty = True
+    bucket.upload()
+    assert api.calls == [] and not bucket.dirty and bucket.upload_event is None
+
+
+# ------------------------------------------------------------------ on a real GPU (bench/gpu_check.sh runs these)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def cuda_pair(dtype, options, steps=4, clip=None, compute="eager"):
+    """The model on the GPU through socompile (separate host master, chosen by "auto"), and the eager reference
+    on the GPU: fp32 model + torch.optim.AdamW, or bf16 model + fp32 master copy stepped by torch.optim.AdamW."""
+    torch.manual_seed(0)
+    ours = tiny().to(device="cuda", dtype=dtype)
+    ref = copy.deepcopy(ours)
+    opt = socompile.AdamW(ours.parameters(), max_grad_norm=clip, **HYP)
+    rparams = list(ref.parameters())
+    masters = [p.detach().float().clone().requires_grad_() for p in rparams]
+    ref_opt = torch.optim.AdamW(masters, **HYP)
+    backend = socompile.SuperOffload({"compute": compute, "gpu_buckets": 0, "bucket_size": "256KB", **options})
+    cmodel = torch.compile(ours, backend=backend)
+    for x, y in batches(steps):
+        x, y = x.cuda(), y.cuda()
+        lm_loss(cmodel(x).float(), y).backward()
+        lm_loss(ref(x).float(), y).backward()
+        for m, p in zip(masters, rparams):
+            m.grad = p.grad.float()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(masters, clip)
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(masters, rparams):
+                p.copy_(m)
+    torch.cuda.synchronize()
+    return ours, ref, masters, opt, backend
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["stationary", "mix"])
+def test_cuda_model_trains_like_the_eager_reference(dtype, case):
+    # GPU tolerances are looser than the CPU's: cuBLAS and the embedding backward may reduce in another order
+    # in the compiled graph than in eager. A stale or missing upload moves ~every weight by ~lr: far outside.
+    ours, ref, masters, opt, backend = cuda_pair(dtype, CASES[case], clip=0.5 if case == "mix" else None)
+    assert opt.host_master == "separate"
+    for bucket in opt.buckets:
+        if bucket.site == "cpu":
+            assert bucket.master.is_pinned() and bucket.grad.is_pinned() and not bucket.master.is_cuda
+            assert bucket.weights.is_cuda and bucket.weights.dtype == dtype
+        else:
+            assert bucket.master.is_cuda
+    for p, m in zip(ours.parameters(), masters):
+        bucket, i = opt._slot[id(p)]
+        torch.testing.assert_close(bucket.view(bucket.master, i).float().cpu(), m.detach().cpu(), atol=1e-4, rtol=0)
+    with opt.materialized_weights():
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            assert p.is_cuda and p.dtype == dtype
+            d = (p.float() - q.float()).abs()
+            bound = q.float().abs() * 2.0 ** -6 + 1e-6 if dtype == torch.bfloat16 else torch.full_like(d, 1e-4)
+            assert (d <= bound).all()
+            assert (d > 1e-6).float().mean() <= 0.01
+    assert_runtime_as_planned(backend.compiled[0])
+
+
+@cuda
+def test_cuda_flow_buckets_free_their_device_storage_and_nothing_recompiles():
+    import torch._dynamo
+    torch._dynamo.utils.counters.clear()
+    ours, _, _, opt, backend = cuda_pair(torch.bfloat16, dict(weight_mode="flow", prefetch_distance=1), steps=3)
+    flow = [b for b in opt.buckets if b.flow]
+    assert flow and all(b.weights.untyped_storage().nbytes() == 0 for b in flow)
+    assert len(backend.compiled) == 1 and sum(torch._dynamo.utils.counters["recompiles"].values()) == 0
+    assert backend.compiled[0].offload.live_fetched() == 0
