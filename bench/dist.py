@@ -63,6 +63,27 @@ def zero_row(preset: str = "tiny", world: int = 2, steps: int = 3, bucket: str =
             "rs": s["reduce_scatter_bytes"] / s["steps"], "ag": s["all_gather_bytes"] / s["steps"]}
 
 
+def simulated_row(world: int = 8, seq: int = 1 << 20) -> dict:
+    """13B at ``seq`` tokens, Ulysses sp=world, ZeRO over the world: one rank planned and simulated on gh200."""
+    import torch
+
+    from socompile.models import build
+    from socompile.offline import plan_model
+    from socompile.plan.hardware import get_profile
+    from socompile.plan.planner import plan_with_details
+    ctx = plan_model(lambda: build("llama-13b", max_seq_len=seq), batch=1, seq=seq,
+                     options={"target": "gh200", "sp_degree": world}, dtype=torch.bfloat16, run_passes=False)
+    d = plan_with_details(ctx.ir, get_profile("gh200"), ctx.options)
+    p, sim = d.plan, d.simulation
+    return {"ulysses": p.prediction("comm_ulysses_bytes"), "zero": p.prediction("comm_zero_bytes"),
+            "busy_s": p.prediction("comm_busy_s"), "exposed_s": p.prediction("comm_exposed_s"),
+            "step_s": sim.step_time, "forward_s": sim.forward_end, "tflops": sim.tflops, "mfu": sim.mfu,
+            "keep": p.prediction("activations_keep_layers"), "offload": p.prediction("activations_offload_layers"),
+            "recompute": p.prediction("activations_recompute_layers"),
+            "device_peak": p.prediction("device_peak_bytes"), "host": p.prediction("host_bytes"),
+            "params": sum(b.numel for b in p.buckets)}
+
+
 def paper_rows(simulate: bool = True) -> list[str]:
     from socompile.models.llama import PRESETS
 
@@ -82,26 +103,14 @@ def paper_rows(simulate: bool = True) -> list[str]:
              f"recomputed layers send their forward share again)"]
     if not simulate:
         return lines
-    import torch
-
-    from socompile.models import build
-    from socompile.offline import plan_model
-    from socompile.plan.hardware import get_profile
-    from socompile.plan.planner import plan_with_details
-    ctx = plan_model(lambda: build("llama-13b", max_seq_len=seq), batch=1, seq=seq,
-                     options={"target": "gh200", "sp_degree": world}, dtype=torch.bfloat16, run_passes=False)
-    d = plan_with_details(ctx.ir, get_profile("gh200"), ctx.options)
-    p, sim = d.plan, d.simulation
+    r = simulated_row()
     lines += [
         f"  simulated per rank (gh200: one Superchip per node, NDR 400 Gb/s = 50 GB/s per direction, x0.8 achieved):",
-        f"    sent: Ulysses all-to-all {p.prediction('comm_ulysses_bytes') / 1e9:.1f} GB, ZeRO "
-        f"{p.prediction('comm_zero_bytes') / 1e9:.1f} GB; network busy {p.prediction('comm_busy_s'):.1f} s, "
-        f"{p.prediction('comm_exposed_s'):.1f} s of it with the GPU idle",
-        f"    step {sim.step_time:.1f} s (forward {sim.forward_end:.1f} s), {sim.tflops:.0f} TFLOP/s, "
-        f"MFU {sim.mfu * 100:.1f}% (paper 55%); layers keep/offload/recompute "
-        f"{p.prediction('activations_keep_layers')}/{p.prediction('activations_offload_layers')}/"
-        f"{p.prediction('activations_recompute_layers')}; device peak {p.prediction('device_peak_bytes') / 1e9:.1f} GB, "
-        f"host {p.prediction('host_bytes') / 1e9:.0f} GB per rank",
+        f"    sent: Ulysses all-to-all {r['ulysses'] / 1e9:.1f} GB, ZeRO {r['zero'] / 1e9:.1f} GB; network busy "
+        f"{r['busy_s']:.1f} s, {r['exposed_s']:.1f} s of it with the GPU idle",
+        f"    step {r['step_s']:.1f} s (forward {r['forward_s']:.1f} s), {r['tflops']:.0f} TFLOP/s, "
+        f"MFU {r['mfu'] * 100:.1f}% (paper 55%); layers keep/offload/recompute {r['keep']}/{r['offload']}/"
+        f"{r['recompute']}; device peak {r['device_peak'] / 1e9:.1f} GB, host {r['host'] / 1e9:.0f} GB per rank",
     ]
     return lines
 

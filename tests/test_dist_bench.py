@@ -16,3 +16,22 @@ def test_zero_bytes_per_step_within_5_percent_of_the_minimum():
     row = bench.zero_row(steps=2)
     assert row["ratio"] <= 1.05, row
     assert row["rs"] == row["ag"]   # gradients in, weights out: the same padded buckets
+
+
+@pytest.mark.slow
+def test_simulated_13b_million_token_row_moves_the_analytic_volumes():
+    """bench/dist.py's simulated 8 x GH200 row: the simulator's bytes per rank equal the analytic Ulysses and
+    ZeRO volumes (recomputed layers send their forward all-to-alls again)."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "dist.py"
+    spec = importlib.util.spec_from_file_location("bench_dist", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from socompile.models.llama import PRESETS
+    cfg = PRESETS["llama-13b"]
+    r = bench.simulated_row()
+    world, seq = 8, 1 << 20
+    per_layer_direction = 4 * cfg.dim * seq // world * 2 * (world - 1) / world
+    assert r["ulysses"] == pytest.approx(per_layer_direction * cfg.n_layers * (2 + r["recompute"] / cfg.n_layers),
+                                         rel=1e-6)
+    assert r["zero"] == pytest.approx(2 * r["params"] * 2 * (world - 1) / world, rel=1e-6)
+    assert r["device_peak"] <= 94e9 and 0.2 < r["mfu"] < 0.6

@@ -215,3 +215,15 @@ def test_parallel_plans_pass_the_checker_and_are_deterministic():
     d = plan_with_details(long_ir(), profile(), opts)
     assert check(d.plan, long_ir(), profile(), d.costs, d.cost) == []
     assert d.plan.to_json() == plan(long_ir(), profile(), opts).to_json()
+
+
+def test_pinned_choices_are_planned_as_given():
+    pinned = (("layers.0", "offload"), ("layers.1", "recompute"))
+    d = plan_with_details(long_ir(), profile(), options(gpu_buckets=0), activations=pinned)
+    assert d.plan.activations == (("layers.0", "offload"), ("layers.1", "recompute"), ("layers.2", "keep"),
+                                  ("layers.3", "keep"))
+    assert d.plan.prediction("activations_offload_layers") == 1
+    assert sum(1 for t in d.simulation.tasks if t.name.startswith("recompute ")) == 1
+    assert any("pinned by the caller" in x for x in d.plan.decisions)
+    with pytest.raises(PlanError, match="unknown layers"):
+        plan(long_ir(), profile(), options(), activations=(("layers.9", "keep"),))

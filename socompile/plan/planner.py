@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import gc
 import math
 
 import sympy
@@ -40,10 +41,11 @@ class PlanError(ValueError):
     """No plan fits; the message names the minimum memory and what to change."""
 
 
-def ready_position(ir: IR, params: list[str]) -> int:
+def ready_position(ir: IR, params: list[str], position: dict[str, int] | None = None) -> int:
     """Index in backward order after which every gradient of ``params`` exists and no backward node
     reads any of them (or a saved view of them): from there on the weights may be updated in place."""
-    position = {key: i for i, key in enumerate(ir.bw_order)}
+    if position is None:
+        position = {key: i for i, key in enumerate(ir.bw_order)}
     last = max(position[ir.grad_node[p]] for p in params)
     for p in params:
         for reader in ir.bw_readers.get(p, ()):
@@ -81,6 +83,7 @@ class _Context:
     dp: int = 1
     sp: int = 1
     choices: tuple = ()            # Plan.activations being planned for
+    pinned_choices: tuple | None = None   # per-layer choices given by the caller (plan(..., activations=...))
     offloaded_bytes: float = 0.0   # host bytes of offloaded layers' saved tensors (pinned)
 
 
@@ -94,13 +97,30 @@ class PlanDetails:
     zero_offload: object      # SimResult of the ZeRO-Offload schedule on the same buckets
 
 
-def plan(ir: IR, hw: HardwareProfile, options: Options, shapes: dict[str, int] | None = None) -> Plan:
-    """Plan one compiled graph for ``hw``. ``shapes`` overrides the symbols' values (default: trace shapes)."""
-    return plan_with_details(ir, hw, options, shapes).plan
+def plan(ir: IR, hw: HardwareProfile, options: Options, shapes: dict[str, int] | None = None,
+         activations: tuple | None = None) -> Plan:
+    """Plan one compiled graph for ``hw``. ``shapes`` overrides the symbols' values (default: trace shapes).
+    ``activations`` pins the per-layer choices ((layer, "keep"|"recompute"|"offload"), ...), e.g. when planning
+    again after the recompute pass re-partitioned the graphs: memory and the simulated step then account for
+    exactly those choices."""
+    return plan_with_details(ir, hw, options, shapes, activations).plan
 
 
 def plan_with_details(ir: IR, hw: HardwareProfile, options: Options,
-                      shapes: dict[str, int] | None = None) -> PlanDetails:
+                      shapes: dict[str, int] | None = None, activations: tuple | None = None) -> PlanDetails:
+    # NOTE: the simulator allocates ~10^5 small objects per candidate while the traced IR holds millions; with
+    # the cyclic GC on, every few thousand allocations re-scan that heap (a third of the planning time on a
+    # 7B graph). The planner creates no cycles worth collecting: pause the collector while it runs.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _plan_with_details(ir, hw, options, shapes, activations)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, activations) -> PlanDetails:
     dp, sp = options.dp_degree, options.sp_degree
     world = dp * sp
     hw = _per_rank_profile(hw, world)
@@ -116,6 +136,7 @@ def plan_with_details(ir: IR, hw: HardwareProfile, options: Options,
                    else hw.device_memory - hw.device_reserved)
     ctx = _Context(ir, hw, options, cost, costs, weight_bytes, budget, unopt_numel, costs.activation_peak,
                    costs.activation_peak_expr, world=world, dp=dp, sp=sp)
+    ctx.pinned_choices = tuple(activations) if activations is not None else None
     decisions: list[str] = []
     if world > 1:
         decisions.append(_parallel_line(ctx))
@@ -274,7 +295,16 @@ def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
                 choice[lc.name] = "recompute"
         return choice
 
-    if forced == "auto":
+    if ctx.pinned_choices is not None:
+        given = dict(ctx.pinned_choices)
+        unknown = sorted(set(given) - {lc.name for lc in layers})
+        bad = {k: v for k, v in given.items() if v not in ("keep", "recompute", "offload")}
+        if unknown or bad:
+            raise PlanError(f"pinned activation choices name unknown layers {unknown} or choices {bad}; layers: "
+                            f"{_names_text([lc.name for lc in layers])}, choices keep/recompute/offload")
+        chosen = {lc.name: given.get(lc.name, "keep") for lc in layers}
+        forced = "pinned"
+    elif forced == "auto":
         chosen = {lc.name: "keep" for lc in layers}
         if _activation_bytes(ctx, chosen)[0] > available:
             # Most layers kept first; for each count, the most offloads that still fit (an offloaded layer
@@ -399,7 +429,7 @@ def _activation_line(ctx, layers, chosen, rec_cost, off_cost, link, available, r
         parts.append(f"recompute {len(groups['recompute'])} ({_names_text([x.name for x in groups['recompute']])}: "
                      f"+{rec_cost[lc.name] * 1e3:.1f} ms each in backward, keeps {lc.boundary / GB:.2f} GB input; "
                      f"{why})")
-    source = f"options.activations={forced!r}" if forced != "auto" else (
+    source = "pinned by the caller" if forced == "pinned" else f"options.activations={forced!r}" if forced != "auto" else (
         f"auto: all-keep needs {ctx.costs.activation_peak / GB:.1f} GB, {available / GB:.1f} GB left for "
         f"activations with every weight streamed")
     return (f"activations: {', '.join(parts)}; device activations {ctx.activations / GB:.1f} GB ({source})")
@@ -432,8 +462,9 @@ def _base_buckets(ir: IR, order: list[str], bucket_size: int, ctx: _Context, dec
                   f"gradients cross as bf16, read directly by the CPU kernel")
     decisions.append(f"casts: {reason}")
     buckets = []
+    position = {key: i for i, key in enumerate(ir.bw_order)}
     for index, names in enumerate(groups):
-        pos = ready_position(ir, names)
+        pos = ready_position(ir, names, position)
         numel = sum(ir.params[n].numel for n in names)
         buckets.append(BucketPlan(index=index, params=tuple(names), numel=numel, grad_bytes=numel * FP32_BYTES,
                                   optimizer_site="cpu", ready_after=ir.bw_order[pos], ready_position=pos,

@@ -32,6 +32,7 @@ link); compute and CPU lanes run in issue order.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 from .analysis import GraphCosts
@@ -341,21 +342,29 @@ def simulate(plan: Plan, costs: GraphCosts, cost: CostModel, schedule: str = "su
         cuts = [u for u, _ in flow_uses] + extra_cuts
         segs = _segments(times, cuts)
         seg_at = {s[0]: i for i, s in enumerate(segs)}
+        starts = [s[0] for s in segs]
+        # Flow transfer j is issued at the first segment starting at or after its gate (the first use of the
+        # flow bucket `distance` places earlier: its buffer is free then), in j order within a segment.
+        issue_at: dict[int, list[tuple[int, int | None]]] = {}
+        for j, (u, idx) in enumerate(flow_uses):
+            gate = flow_uses[j - distance[idx]][0] if j - distance[idx] >= 0 else None
+            at = 0 if gate is None else bisect.bisect_left(starts, gate)
+            issue_at.setdefault(at, []).append((j, gate))
+        used_at: dict[int, list[int]] = {}
+        for j, (u, _) in enumerate(flow_uses):
+            used_at.setdefault(u, []).append(j)
         seg_ids: list[int] = []
         transfer_ids: dict[int, int] = {}
         seg_task: dict[int, int] = {}
         carry: list[int] = []
         for i, (a, stop, secs) in enumerate(segs):
-            for j, (u, idx) in enumerate(flow_uses):
-                if j in transfer_ids:
-                    continue
-                gate = flow_uses[j - distance[idx]][0] if j - distance[idx] >= 0 else None
-                if gate is None or gate <= a:
-                    bk = buckets[idx]
-                    dep = seg_task.get(seg_at[gate] - 1) if gate is not None and seg_at[gate] > 0 else None
-                    transfer_ids[j] = b.add(f"{label} prefetch b{idx}", "h2d",
-                                            cost.transfer_time(bk.numel * 2, "h2d"), (dep,), "transfer", bk.numel * 2)
-            needs = [transfer_ids[j] for j, (u, _) in enumerate(flow_uses) if u == a]
+            for j, gate in issue_at.get(i, ()):
+                idx = flow_uses[j][1]
+                bk = buckets[idx]
+                dep = seg_task.get(seg_at[gate] - 1) if gate is not None and seg_at.get(gate, 0) > 0 else None
+                transfer_ids[j] = b.add(f"{label} prefetch b{idx}", "h2d",
+                                        cost.transfer_time(bk.numel * 2, "h2d"), (dep,), "transfer", bk.numel * 2)
+            needs = [transfer_ids[j] for j in used_at.get(a, ())]
             prev = seg_task[i - 1] if i else (forward_last_box[0] if label == "bw" else None)
             hooked: list[int] = []
             for hook in before.get(a, ()):
@@ -380,10 +389,12 @@ def simulate(plan: Plan, costs: GraphCosts, cost: CostModel, schedule: str = "su
     bw_segs, bw_ids = phase(costs.bw_times, costs.bw_uses, ready_cuts + bw_cuts, "bw", bw_before, bw_after)
     backward_last = bw_ids[-1]
 
+    bw_starts = [a for a, _, _ in bw_segs]
+
     def seg_ending_after(pos):
-        for (a, stop, _), tid in zip(bw_segs, bw_ids):
-            if a <= pos < stop:
-                return tid
+        i = bisect.bisect_right(bw_starts, pos) - 1
+        if 0 <= i < len(bw_segs) and bw_segs[i][0] <= pos < bw_segs[i][1]:
+            return bw_ids[i]
         return backward_last
 
     def reduce_scatter(bk, ready):
