@@ -227,3 +227,11 @@ def test_pinned_choices_are_planned_as_given():
     assert any("pinned by the caller" in x for x in d.plan.decisions)
     with pytest.raises(PlanError, match="unknown layers"):
         plan(long_ir(), profile(), options(), activations=(("layers.9", "keep"),))
+
+
+def test_checker_rejects_bad_activation_choices():
+    p = plan(long_ir(), profile(), options(activations="recompute"))
+    assert check(p, long_ir(), profile()) == []
+    bad = dataclasses.replace(p, activations=(("layers.0", "swap"), ("layers.0", "keep"), ("lm_head", "keep")))
+    problems = "\n".join(check(bad, long_ir(), profile()))
+    assert "'swap'" in problems and "more than one" in problems and "lm_head" in problems

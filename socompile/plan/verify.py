@@ -8,7 +8,8 @@ Checked, each with a message naming the bucket, parameter or number at fault:
   it, forward and backward) and is released only after its last use (plan/flow_schedule.py);
 - on the rewritten graphs (``check_graphs``): the flow nodes the passes inserted are all there and in order,
   no compute reads an offloaded weight from the host, each bucket is handed to its optimizer once;
-- predicted peaks are within budget (device memory, host memory).
+- predicted peaks are within budget (device memory, host memory);
+- per-layer activation choices name repeated layer groups of the graph, once each, with a known choice.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def check(plan: Plan, ir: IR, hw=None, costs=None, cost=None) -> list[str]:
     problems += _ready_points(plan, ir)
     problems += _flow_lifetimes(plan, ir)
     problems += _budgets(plan, hw)
+    problems += _activation_choices(plan, ir)
     if costs is not None and cost is not None and not problems:
         problems += _replay(plan, costs, cost)
     return problems
@@ -222,6 +224,24 @@ def _compute_readers(node) -> list:
                 todo.append(user)
             elif target is not torch.ops.socompile.release.default:
                 out.append(user)
+    return out
+
+
+def _activation_choices(plan: Plan, ir: IR) -> list[str]:
+    from .analysis import is_repeated_layer, layer_group
+    out = []
+    layers = {layer_group(n) for n in ir.params if is_repeated_layer(n)}
+    seen: set[str] = set()
+    for layer, choice in plan.activations:
+        if choice not in ("keep", "recompute", "offload"):
+            out.append(f"layer {layer} has activation choice {choice!r} (valid: keep, recompute, offload)")
+        if layer not in layers:
+            out.append(f"activation choice for {layer}, which is not a repeated layer of the graph")
+        if layer in seen:
+            out.append(f"layer {layer} has more than one activation choice")
+        seen.add(layer)
+    if any(c != "keep" for _, c in plan.activations) and plan.recompute == "none":
+        out.append("some layers recompute or offload their activations but plan.recompute is 'none'")
     return out
 
 
