@@ -217,7 +217,7 @@ class Repartition:
 @dataclasses.dataclass(frozen=True)
 class Offloaded:
     layer: str
-    index: int           # position among the layer's offloaded tensors (the prefetch list, the wait's index)
+    index: int           # position among the layer's offloaded tensors in forward order
     device: torch.device
 
 
@@ -230,6 +230,40 @@ def _runtime(ctx):
         weights.activations = rt      # kept alive as long as the weight runtime (the optimizer's claim holds it)
         ctx.activation_offload = rt
     return rt
+
+
+def _repeated_layers(ctx, layers) -> list[str]:
+    """Every repeated layer group of the compiled model (from its parameter names), ``layers`` included."""
+    from ..plan.analysis import is_repeated_layer, layer_group
+    names = (getattr(ctx, "param_names", None) or {}).values()
+    return sorted({layer_group(n) for n in names if is_repeated_layer(n)} | set(layers))
+
+
+def _layer_starts(gm: fx.GraphModule, layers) -> dict[str, fx.Node]:
+    """The first node of each layer group in the graph."""
+    out: dict[str, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            layer = layer_of(node, layers)
+            if layer is not None and layer not in out:
+                out[layer] = node
+    return out
+
+
+def _first_gradients(gm: fx.GraphModule, ctx) -> dict[str, fx.Node]:
+    """Per layer group, the backward node that produces the first of its parameters' gradients (from the IR)."""
+    from ..plan.analysis import is_repeated_layer, layer_group
+    nodes = {n.name: n for n in gm.graph.nodes}
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    out: dict[str, fx.Node] = {}
+    for param, key in (getattr(ctx.ir, "grad_node", None) or {}).items():
+        node = nodes.get(key.split(":", 1)[1])
+        if node is None or not is_repeated_layer(param):
+            continue
+        layer = layer_group(param)
+        if layer not in out or position[node] < position[out[layer]]:
+            out[layer] = node
+    return out
 
 
 def _is_saved_output(desc) -> bool:
@@ -289,23 +323,29 @@ def activation_offload_forward(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
         plan_map[arg.name] = Offloaded(layer, index, val.device)
         offloads.setdefault(layer, []).append(host)
     output.args = (tuple(outputs),)
-    # Each layer's copies are waited for once the next offloaded layer has produced its saved tensors (the
-    # last layer's: before the forward returns): a layer of compute to overlap, two layers' saved tensors on
-    # the device at most.
-    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    # Each offloaded layer's copies are waited for when the layer after next starts (the last layers': before
+    # the forward returns): the next layer's compute overlaps them, and at most two layers' offloaded tensors
+    # are on the device at once.
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
     for hosts in offloads.values():
         hosts.sort(key=position.__getitem__)
-    order = sorted(offloads, key=lambda layer: position[offloads[layer][0]])
-    for i, layer in enumerate(order):
-        keepalive = [h.args[2] for h in offloads[layer]]
-        if i + 1 < len(order):
-            where, why = gm.graph.inserting_after(offloads[order[i + 1]][-1]), \
-                f"{layer}: its copies to host memory are done once {order[i + 1]} has run"
+    starts = _layer_starts(gm, _repeated_layers(ctx, layers))
+    sequence = sorted(starts, key=lambda layer: position[starts[layer]])
+    for layer in sorted(offloads, key=lambda layer: position[offloads[layer][0]]):
+        last = offloads[layer][-1]
+        k = sequence.index(layer) if layer in sequence else -1
+        later = sequence[k + 2] if 0 <= k and k + 2 < len(sequence) else None
+        if later is not None and position[starts[later]] > position[last]:
+            where = gm.graph.inserting_before(starts[later])
+            why = f"{layer}: its copies to host memory are done before {later} starts"
         else:
-            where, why = gm.graph.inserting_before(output), f"{layer}: its copies to host memory are done"
+            where = gm.graph.inserting_before(output)
+            why = f"{layer}: its copies to host memory are done before the forward returns"
+        keepalive = [h.args[2] for h in offloads[layer]]
         with where:
             build.call(torch.ops.socompile.offload_wait.default, (rt.handle, layer, offloads[layer], keepalive),
-                       f"{why}; its device tensors are freed here", keepalive[-1])
+                       f"{why}; its device tensors are freed here", last)
     ctx.activation_offloaded = plan_map
     log.info("socompile: %d saved tensor(s) of %d layer(s) offloaded to host memory", len(plan_map), len(per_layer))
     return gm
@@ -333,21 +373,38 @@ def activation_offload_backward(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule
     by_layer: dict[str, list[fx.Node]] = {}
     for h in holders.values():
         by_layer.setdefault(offloaded[h.name].layer, []).append(h)
-    for hs in by_layer.values():
-        hs.sort(key=lambda h: offloaded[h.name].index)
-    # the order the backward reaches the layers in (the last forward layer first)
     uses = {h: first_use(h) for h in holders.values()}
+    for hs in by_layer.values():      # copied back in the order the backward needs them (the stream is FIFO)
+        hs.sort(key=lambda h: (position[uses[h]], offloaded[h.name].index))
+    # the order the backward reaches the layers in (the last forward layer first)
     start = {layer: min((uses[h] for h in hs), key=position.__getitem__) for layer, hs in by_layer.items()}
     order = sorted(by_layer, key=lambda layer: position[start[layer]])
     # Prefetches first, then waits: nodes inserted before the same anchor stay in insertion order, so a layer's
     # prefetch precedes its waits even where two layers' first uses are the same node.
+    # Where: when the backward of the layer PREFETCH_AHEAD places later in the forward gets under way (its
+    # first weight gradient), so the copies overlap that layer's backward; failing that, when the offloaded
+    # layer before it in backward order starts, or at the start of backward.
+    sequence = []
+    if ctx.forward_graph is not None:
+        fw_starts = _layer_starts(ctx.forward_graph, _repeated_layers(ctx, list(by_layer)))
+        fw_pos = {n: i for i, n in enumerate(ctx.forward_graph.graph.nodes)}
+        sequence = sorted(fw_starts, key=lambda layer: fw_pos[fw_starts[layer]])
+    grads = _first_gradients(gm, ctx)
     tickets: dict[str, fx.Node] = {}
     for i, layer in enumerate(order):
-        if i < PREFETCH_AHEAD:
-            anchor, why = first_compute, f"{layer}: its saved activations start coming back at the start of backward"
-        else:
-            ahead = order[i - PREFETCH_AHEAD]
+        k = sequence.index(layer) if layer in sequence else -1
+        # A layer's output is the next layer's input, read as soon as the next layer's backward starts: so the
+        # first candidate that comes before the layer's first use is taken, PREFETCH_AHEAD layers later or more.
+        later = [sequence[j] for j in range(k + PREFETCH_AHEAD, len(sequence)) if k >= 0 and sequence[j] in grads
+                 and position[grads[sequence[j]]] < position[start[layer]]]
+        if later:
+            anchor, why = grads[later[0]], f"{layer}: its saved activations come back while the backward of " \
+                                           f"{later[0]} runs"
+        elif i > 0 and position[start[order[i - 1]]] < position[start[layer]]:
+            ahead = order[i - 1]
             anchor, why = start[ahead], f"{layer}: its saved activations come back while the backward of {ahead} runs"
+        else:
+            anchor, why = first_compute, f"{layer}: its saved activations start coming back at the start of backward"
         with gm.graph.inserting_before(anchor):
             tickets[layer] = build.call(torch.ops.socompile.prefetch_activations.default,
                                         (rt.handle, layer, by_layer[layer]), why, anchor)
@@ -362,10 +419,11 @@ def activation_offload_backward(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule
                 with build.fake:     # the backward receives the host copy
                     h.meta["val"] = torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device="cpu")
             anchor = uses[h]
+            index = by_layer[layer].index(h)     # its place in the prefetch's list
             with gm.graph.inserting_before(anchor):
                 w = build.call(torch.ops.socompile.wait_activation.default,
-                               (rt.handle, layer, info.index, h, tickets[layer], info.device),
-                               f"{layer}: saved activation {info.index} back on the device before its first use",
+                               (rt.handle, layer, index, h, tickets[layer], info.device),
+                               f"{layer}: saved activation {index} back on the device before its first use",
                                anchor)
             if v is not None and build.fake is not None:
                 with build.fake:
