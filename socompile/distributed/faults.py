@@ -31,10 +31,21 @@ class PlanMismatchError(CollectiveError):
 
 @contextlib.contextmanager
 def guard(what: str, group=None, timeout_s: float | None = None):
-    """Run a collective; on failure raise CollectiveError naming it, this rank and the likely cause."""
+    """Run a collective; on failure raise CollectiveError naming it, this rank and the likely cause.
+
+    The collective runs with torch's Python dispatcher turned off. NOTE: inside a compile (AOTAutograd's
+    partitioner, where the backend lays out buckets and the re-layout all-gathers and the plan check talk to
+    the other ranks) the Python dispatcher is on, and it calls a c10d op's kernel while holding the GIL. The
+    kernel then locks gloo's work queue, while a gloo worker thread holds that lock and waits for the GIL to
+    free the previous collective's tensors: a deadlock on that rank. The other rank waits for it in the
+    collective until the timeout. This hung resume-then-compile runs about one time in three (timing
+    decides). Every socompile collective goes through this guard, so none runs under the Python dispatcher."""
+    from torch._dispatch.python import no_python_dispatcher
+
     start = time.monotonic()
     try:
-        yield
+        with no_python_dispatcher():
+            yield
     except CollectiveError:
         raise
     except Exception as exc:  # gloo raises RuntimeError, NCCL DistBackendError (a RuntimeError subclass)
