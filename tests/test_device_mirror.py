@@ -95,7 +95,7 @@ CASES = {"stationary": dict(weight_mode="stationary"), "flow": dict(weight_mode=
          "mix": MIX}
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param("stationary", marks=pytest.mark.slow), "flow", "mix"])
 def test_forced_separate_master_on_fp32_is_bitwise_equal_to_the_shared_master(case):
     shared, so, _ = train("shared", options=CASES[case])
     mirror, mo, backend = train("separate", options=CASES[case])
@@ -118,6 +118,7 @@ def test_forced_separate_master_on_fp32_is_bitwise_equal_to_the_shared_master(ca
     assert_runtime_as_planned(ctx)
 
 
+@pytest.mark.slow
 def test_forced_separate_master_with_inductor_compute_is_bitwise_equal_to_the_shared_master():
     # (Inductor with only some buckets flowing, e.g. weight_mode="flow:4", fails in the shared mode too: a
     # prefetch goes missing; a known bug of the flow passes under Inductor, not of the separate master.)
@@ -127,7 +128,7 @@ def test_forced_separate_master_with_inductor_compute_is_bitwise_equal_to_the_sh
     assert_bitwise(a, b)
 
 
-@pytest.mark.parametrize("rollback", ["pingpong", "inverse"])
+@pytest.mark.parametrize("rollback", ["pingpong", pytest.param("inverse", marks=pytest.mark.slow)])
 def test_commit_redo_and_skip_upload_the_right_master(rollback):
     """max_grad_norm small enough that every step is clipped (roll back, redo), and a NaN loss at step 1 (roll
     back, skip): the uploads after commit/redo/rollback give the same weights as the shared mode's."""
@@ -171,6 +172,7 @@ def test_speculative_steps_do_not_reach_the_device_weights_before_commit():
     assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_with_a_separate_master_is_bitwise_equal():
     a = train("shared", steps=2, accumulate=2)[:2]
     b = train("separate", steps=2, accumulate=2)[:2]
@@ -256,7 +258,7 @@ def assert_bf16_close(ours, ref, masters, opt):
     assert differ <= 1e-4 * total, (differ, total)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", ["stationary", pytest.param("flow", marks=pytest.mark.slow), "mix"])
 def test_bf16_model_trains_like_an_fp32_master_reference(case):
     ours, ref, masters, opt, backend = bf16_pair(CASES[case])
     assert opt.host_master == "separate"                        # chosen by "auto": the parameters are bf16
@@ -268,9 +270,22 @@ def test_bf16_model_trains_like_an_fp32_master_reference(case):
 
 @pytest.mark.slow
 def test_bf16_model_with_clipping_and_inductor_trains_like_the_reference():
-    ours, ref, masters, opt, _ = bf16_pair(MIX, clip=0.5, compute="inductor")
-    assert opt.last_step_clipped
-    assert_bf16_close(ours, ref, masters, opt)
+    # all CPU buckets flow (Inductor loses a prefetch when only some do, see the fp32 Inductor test above)
+    # Inductor computes bf16 ops in fp32 registers and rounds once per fused kernel, eager rounds after every op:
+    # gradients differ slightly, and elements whose gradient is near zero may take Adam steps of either sign
+    # (~lr each), the argument of test_weight_flow's bf16-link test: worst element <= 2 * lr * steps, mean <= 1e-4
+    # (a stale upload or a missing commit moves nearly every element by ~lr per step).
+    steps = 4
+    ours, ref, masters, opt, _ = bf16_pair(dict(gpu_buckets=3, weight_mode="flow", prefetch_distance=1), clip=0.5,
+                                           compute="inductor", steps=steps)
+    assert opt.last_step_clipped and opt.stats["redone"] > 0
+    diff = torch.cat([(opt._slot[id(p)][0].view(opt._slot[id(p)][0].master, opt._slot[id(p)][1]) - m.detach())
+                      .abs().flatten() for p, m in zip(ours.parameters(), masters)])
+    assert diff.max() <= 2 * HYP["lr"] * steps and diff.mean() <= 1e-4, (diff.max(), diff.mean())
+    with opt.materialized_weights():
+        for p in ours.parameters():
+            bucket, i = opt._slot[id(p)]
+            assert torch.equal(p.detach(), bucket.view(bucket.master, i).to(torch.bfloat16))   # uploaded, RNE
 
 
 def test_bf16_model_used_eagerly_keeps_its_device_grads_and_matches_the_reference():
