@@ -10,8 +10,10 @@ always point at earlier-issued tasks.
 The same builder replays three schedules on the same work (same graph times, same buckets):
 - ``superoffload``: the plan as made (GPU-resident buckets, weight flow, speculative CPU steps as gradients
   arrive, casts where the plan put them);
-- ``zero-offload``: every bucket on the CPU, all CPU steps after backward, bf16 over the link, casts on the CPU
-  as separate passes, DeepSpeed CPU-Adam speed (58% vs GraceAdam's 74% of bandwidth, SuperOffload blog);
+- ``zero-offload``: every bucket on the CPU, gradients cast to fp32 on the GPU and copied during backward (as
+  DeepSpeed's stage 1/2 offload does), all CPU steps after backward, updated weights cast to bf16 on the CPU as a
+  separate pass (a cross-device ``copy_`` with a dtype change), DeepSpeed CPU-Adam speed (58% vs GraceAdam's 74% of
+  bandwidth, SuperOffload blog);
 - ``zero-infinity``: as zero-offload, and every weight streamed from CPU memory before each use (distance 1).
 
 Activations (``Plan.activations``, the same in every schedule): a recomputed layer runs its forward again on
@@ -417,16 +419,16 @@ def simulate(plan: Plan, costs: GraphCosts, cost: CostModel, schedule: str = "su
             continue
         shard = bk.numel / world
         ready = reduce_scatter(bk, seg_ending_after(bk.ready_position))
-        link_bytes = shard * (native if baseline else _dtype_bytes(bk.link_dtype))
+        # ZeRO-Offload (DeepSpeed stage 1/2 with offload_optimizer, async_inplace_copy_grad_to_fp32_buffer_
+        # from_gpu): each gradient is cast to fp32 on the GPU and copied into the fp32 host buffer as soon as it
+        # is reduced, during backward; the CPU Adam runs after backward.
+        link_bytes = shard * (4 if baseline else _dtype_bytes(bk.link_dtype))
         deps = [ready]
-        if not baseline and link_bytes > shard * native:   # upcast on the GPU before the copy
+        if link_bytes > shard * native:   # upcast on the GPU before the copy
             deps = [b.add(f"upcast g b{bk.index}", "gpu_aux", cost.gpu_cast_time(shard, native, 4), [ready],
                           "cast")]
         d2h = b.add(f"grads b{bk.index}", "d2h", cost.transfer_time(link_bytes, "d2h"), deps, "transfer", link_bytes)
         after = [d2h] + ([backward_last] if baseline or speculation == "off" else [])
-        if baseline:   # DeepSpeed's CPU Adam needs fp32 gradients: a separate cast pass first
-            after = [b.add(f"cast g b{bk.index}", "cpu", cost.cpu_cast_time(shard, native, 4) * lanes, after,
-                           "cast")]
         grad_bytes = 4 if baseline else _dtype_bytes(bk.link_dtype)
         writes_copy = (not baseline) and (bk.cast_site == "cpu" or bk.index in flow)
         adam = b.add(f"adam b{bk.index}", "cpu",
