@@ -256,14 +256,16 @@ def get_store_policy() -> tuple[str, int]:
 
 
 def store_choice(param, grad, exp_avg, exp_avg_sq, *, param_out=None, exp_avg_out=None, exp_avg_sq_out=None,
-                 param_bf16_out=None) -> dict:
+                 param_bf16_out=None, call_numel=None) -> dict:
     """The store choice adam_step would make for these tensors now (size, policy, ISA path, alignment):
-    {"state": p/m/v outputs streamed, "bf16": bf16 copy streamed}. Each block's unaligned head (up to the
-    outputs' first 64-byte boundary) and tail use regular stores in any case."""
+    {"state": p/m/v outputs streamed, "bf16": bf16 copy streamed}. call_numel: the elements of the whole
+    adam_step_multi call this tensor is part of (the choice depends on the call's size); default: this
+    tensor's. Each block's unaligned head (up to the outputs' first 64-byte boundary) and tail use regular
+    stores in any case."""
     n, p, g, m, v, po, mo, vo, p16 = _step_addrs(param, grad, exp_avg, exp_avg_sq, param_out, exp_avg_out,
                                                  exp_avg_sq_out, param_bf16_out)
     g32, g16 = _grad_addrs(grad, g)
-    bits = _adam.stream_choice(n, p, m, v, g32, g16, po, mo, vo, p16)
+    bits = _adam.stream_choice(n, p, m, v, g32, g16, po, mo, vo, p16, int(call_numel or 0))
     return {"state": bool(bits & 1), "bf16": bool(bits & 2)}
 
 

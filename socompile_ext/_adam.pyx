@@ -41,7 +41,7 @@ cdef extern from "adam.h" nogil:
     int socx_get_store_policy()
     void socx_set_stream_threshold(int64_t n)
     int64_t socx_stream_threshold()
-    int socx_stream_choice(const socx_buffers *b)
+    int socx_stream_choice(const socx_buffers *b, int64_t call_n)
     int socx_get_num_threads()
     int socx_isa_compiled(int isa)
     int socx_isa_available(int isa)
@@ -190,10 +190,10 @@ def copy_ceiling(int64_t n, addr p, addr m, addr v, addr g32, addr g16, addr p_o
 
 
 def stream_choice(int64_t n, addr p, addr m, addr v, addr g32, addr g16, addr p_out, addr m_out, addr v_out,
-                  addr p16_out):
+                  addr p16_out, int64_t call_n=0):
     cdef socx_buffers b
     _fill(&b, n, p, m, v, g32, g16, p_out, m_out, v_out, p16_out)
-    return socx_stream_choice(&b)
+    return socx_stream_choice(&b, call_n)
 
 
 def set_store_policy(int policy):

@@ -403,6 +403,11 @@ def test_outputs_with_different_alignment_fall_back_to_regular_stores(stores_res
     assert se.store_choice(p0, g, m0, v0, **aligned) == {"state": False, "bf16": False}
     se.set_store_policy("auto")
     assert se.store_choice(p0, g, m0, v0, **aligned)["state"] == (se.isa() in ("avx2", "avx512"))
+    # a small tensor streams when the multi-tensor call it belongs to is large
+    small = [t[:1000] for t in (p0, g, m0, v0)] + [dict(param_out=torch.empty(1000), exp_avg_out=torch.empty(1000),
+                                                       exp_avg_sq_out=torch.empty(1000))]
+    assert se.store_choice(*small[:4], **small[4])["state"] is False
+    assert se.store_choice(*small[:4], **small[4], call_numel=n)["state"] == (se.isa() in ("avx2", "avx512"))
     ref = step(p0, g, m0, v0)
     se.adam_step(p0.clone(), g, m0.clone(), v0.clone(), **HP, **outs)
     for x, y in zip(outs.values(), ref[:3]):

@@ -94,11 +94,12 @@ int socx_get_store_policy(void);
 void socx_set_stream_threshold(int64_t n);  /* elements; <= 0 restores the default */
 int64_t socx_stream_threshold(void);
 
-/* The store choice a single-tensor step (or ceiling pass) over these buffers would make now on the current
- * ISA path (a multi-tensor call decides from the elements of the whole call):
+/* The store choice a step (or ceiling pass) over these buffers would make now on the current ISA path, in a
+ * call that touches call_n elements in all (<= 0: b->n, a single-tensor call; a multi-tensor call decides
+ * from all its elements):
  * bit 0: p/m/v outputs streamed; bit 1: bf16 parameter copy streamed. The unaligned head of every block
  * (up to the first 64-byte boundary of the outputs) and its tail always use regular stores. */
-int socx_stream_choice(const socx_buffers *b);
+int socx_stream_choice(const socx_buffers *b, int64_t call_n);
 
 /* AVX-512 path: software prefetch of the four input streams this many elements ahead (0, the default: off;
  * for measurements). */

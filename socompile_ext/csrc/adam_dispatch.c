@@ -204,9 +204,9 @@ static void store_choice(const socx_buffers *b, int64_t call_n, socx_consts *c) 
     }
 }
 
-int socx_stream_choice(const socx_buffers *b) {
+int socx_stream_choice(const socx_buffers *b, int64_t call_n) {
     socx_consts c;
-    store_choice(b, b->n, &c);
+    store_choice(b, call_n > 0 ? call_n : b->n, &c);
     return (c.stream ? 1 : 0) | (c.stream_bf16 ? 2 : 0);
 }
 
