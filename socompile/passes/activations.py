@@ -176,6 +176,10 @@ def repartition(ctx, fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[fx.GraphMo
         ctx.plan = dataclasses.replace(ctx.plan, activations=choices,
                                        recompute="layers" if any(c != "keep" for _, c in choices) else "none")
         first_recompute = ctx.plan.recompute
+    offload = [layer for layer, choice in choices if choice == "offload"]
+    if offload and (ctx.optimizer is None or not ctx.plan.buckets):
+        log.warning("socompile: layers %s are planned to offload their activations, but the passes run only for "
+                    "parameters of a socompile.AdamW; their activations are kept", ", ".join(offload))
     recompute = [layer for layer, choice in choices if choice == "recompute"]
     if not recompute:
         return fw, bw
