@@ -133,6 +133,8 @@ int main(void) {
     static const int64_t sizes[] = {0, 1, 3, 4, 5, 15, 16, 17, 31, 33, 257, 1000, SOCX_BLOCK + 5, 3 * SOCX_BLOCK + 17,
                                     (1 << 17) + 21 /* streaming stores */};
     const int nsizes = (int)(sizeof sizes / sizeof sizes[0]);
+    /* the default streaming threshold follows the host's last-level cache; pin it so the largest size streams */
+    socx_set_stream_threshold(1 << 17);
     int paths[SOCX_ISA_COUNT], npaths = 0;
     for (int isa = 1; isa < SOCX_ISA_COUNT; isa++)
         if (socx_isa_available(isa)) paths[npaths++] = isa;
