@@ -165,17 +165,17 @@ def _choices(ctx) -> tuple[tuple[str, str], ...]:
 
 
 def repartition(ctx, fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """Called by backend._apply_plan after the first plan. Layers to recompute: tag the joint graph, partition
-    again, rebuild the IR and plan again with the same activation choices; the plan's choices are pinned in
-    any case (the override, if any, included). Returns the graphs the passes will rewrite."""
+    """Called by backend._apply_plan after the first plan. With an ``override``, the plan is made again with the
+    overridden choices pinned. Layers to recompute: tag the joint graph, partition again, rebuild the IR and
+    plan again with the same choices pinned (``plan(..., activations=...)``). Returns the graphs the passes will
+    rewrite."""
+    from ..plan import get_profile, plan
     repartition_fn = getattr(ctx, "repartition", None)
     ctx.repartition = None          # drop the joint graph once used (it holds fake tensors)
     choices = _choices(ctx)
-    first_recompute = ctx.plan.recompute
     if choices != ctx.plan.activations:
-        ctx.plan = dataclasses.replace(ctx.plan, activations=choices,
-                                       recompute="layers" if any(c != "keep" for _, c in choices) else "none")
-        first_recompute = ctx.plan.recompute
+        ctx.plan = plan(ctx.ir, get_profile(ctx.options.target), ctx.options, activations=choices)
+        choices = ctx.plan.activations
     offload = [layer for layer, choice in choices if choice == "offload"]
     if offload and (ctx.optimizer is None or not ctx.plan.buckets):
         log.warning("socompile: layers %s are planned to offload their activations, but the passes run only for "
@@ -187,17 +187,14 @@ def repartition(ctx, fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[fx.GraphMo
         log.warning("socompile: layers %s are planned to recompute their activations but this compile has no "
                     "joint graph to partition again; their activations are kept", ", ".join(recompute))
         return fw, bw
-    joint = repartition_fn.joint
-    counts = tag_recompute(joint, recompute)
+    counts = tag_recompute(repartition_fn.joint, recompute)
     before_fw, before_bw = fw.code, bw.code
     fw, bw = repartition_fn()
     from ..capture import build_ir, describe
-    from ..plan import get_profile, plan
     infos = [describe(i, name, ctx.param_objects[i], optimized=ctx.optimizer is not None)
              for i, name in ctx.param_names.items()]
     ctx.ir = build_ir(fw, bw, infos)
-    ctx.plan = dataclasses.replace(plan(ctx.ir, get_profile(ctx.options.target), ctx.options),
-                                   activations=choices, recompute=first_recompute)
+    ctx.plan = plan(ctx.ir, get_profile(ctx.options.target), ctx.options, activations=choices)
     ctx.forward_graph, ctx.backward_graph = fw, bw
     ctx.record_dump("fw", RECOMPUTE_NAME, before_fw, fw.code, fw)
     ctx.record_dump("bw", RECOMPUTE_NAME, before_bw, bw.code, bw)
