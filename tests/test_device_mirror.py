@@ -264,6 +264,10 @@ def test_bf16_model_trains_like_an_fp32_master_reference(case):
     assert opt.host_master == "separate"                        # chosen by "auto": the parameters are bf16
     assert all(b.master.dtype == torch.float32 for b in opt.buckets)
     assert all(b.weights.dtype == torch.bfloat16 for b in opt.buckets)   # device-stepped too: a bf16 copy
+    for b in opt.buckets:   # flow fetches read a bf16 copy of the master, cast on the host (half the link bytes)
+        if b.flow:
+            assert b.link_source(torch.bfloat16) is b._stage16
+            assert torch.equal(b._stage16, b.master.to(torch.bfloat16))
     assert_bf16_close(ours, ref, masters, opt)
     assert_runtime_as_planned(backend.compiled[0])
 

@@ -514,6 +514,7 @@ class AdamW(torch.optim.Optimizer):
             if key in masters and slot is not None and slot[0].mirror:
                 bucket, i = slot
                 bucket.view(bucket.master, i).copy_(masters[key].reshape(p.shape))
+                bucket.master_changed()
             self.state.get(p, {}).pop("master", None)
             if isinstance(state_dict["state"].get(key), dict):
                 raw[id(p)] = state_dict["state"][key]

@@ -145,18 +145,39 @@ class FlatBucket:
 
     def low_out(self) -> torch.Tensor | None:
         """Where a final in-place kernel step may write the bf16 copy of the updated master in the same pass:
-        the device weights themselves on the CPU build (they are host memory), the pinned bf16 stage that is
-        uploaded as is on CUDA; None when the weights are not bf16, or flow, or stepped on the device. Only
-        valid while that copy is in sync with the master (else the whole bucket is cast at upload)."""
-        if self.weights is None or self.flow or self.site != "cpu" or self.dtype != torch.bfloat16:
+        the device weights themselves on the CPU build (they are host memory) for a stationary bucket; the
+        (pinned) bf16 stage that is uploaded as is on CUDA, and that a flow bucket's fetches read; None when the
+        weights are not bf16 or the bucket is stepped on the device. Only valid while that copy is in sync with
+        the master (else the whole bucket is cast at upload)."""
+        if self.weights is None or self.site != "cpu" or self.dtype != torch.bfloat16:
             return None
         if not self._low_synced:
             return None
-        if self.runtime is not None and self.runtime.kind == "cuda":
-            if self._stage16 is None:
-                return None
+        if self.flow or (self.runtime is not None and self.runtime.kind == "cuda"):
             return self._stage16
         return self.weights
+
+    def link_source(self, dtype: torch.dtype) -> torch.Tensor:
+        """What a flow fetch in ``dtype`` reads: the bf16 stage when it holds the master cast to bf16 (half the
+        bytes cross the link; the cast was done on the host, by the step's kernel or at upload), else the master
+        (the copy converts)."""
+        if self._stage16 is not None and self._low_synced and dtype == torch.bfloat16:
+            return self._stage16
+        return self.master
+
+    def master_changed(self) -> None:
+        """Something other than the kernel wrote the master: every copy of it must be made again."""
+        self.dirty, self._low_synced = True, False
+
+    def _sync_stage16(self) -> None:
+        if self._stage16 is None:
+            self._stage16 = (self.runtime.host_buffer(self.numel, torch.bfloat16) if self.runtime is not None
+                             else torch.empty(self.numel, dtype=torch.bfloat16))
+            self._low_synced = False
+        if not self._low_synced:
+            self.before_host_write()
+            self._stage16.copy_(self.master)
+            self._low_synced = True
 
     def before_host_write(self) -> None:
         """Before the kernel rewrites master / the bf16 stage: the upload that reads them must be done (CUDA)."""
@@ -170,6 +191,9 @@ class FlatBucket:
         non_blocking copy from pinned memory on the "h2d" stream, after the compute stream passed this bucket's
         last read (its gradient event); ``wait_upload_on_compute`` orders the next forward after it."""
         self.dirty = False
+        if self.flow and self.dtype == torch.bfloat16:   # no upload; the bf16 stage the next fetch reads
+            self._sync_stage16()
+            return
         if not self.mirror or self.weights is None or self.flow:
             return
         if self.site == "device":          # a device-side cast on the current stream
@@ -183,13 +207,7 @@ class FlatBucket:
             return
         src = self.master
         if self.dtype == torch.bfloat16:   # cast on the host: half the bytes cross the link
-            if self._stage16 is None:
-                self._stage16 = rt.host_buffer(self.numel, torch.bfloat16)
-                self._low_synced = False
-            if not self._low_synced:
-                self.before_host_write()
-                self._stage16.copy_(self.master)
-            self._low_synced = True
+            self._sync_stage16()
             src = self._stage16
         h2d = rt.stream("h2d")
         if self.grad_event is not None:    # the compute stream is past the last read of these weights
@@ -247,8 +265,9 @@ class FlatBucket:
         step path asks for the same ones every iteration (grads, moments, weights after a ping-pong swap), and
         making a view costs microseconds per parameter. Only the bucket's own buffers are cached (two ping-pong
         sets at most); a cached view keeps its buffer alive, so the address in the key cannot be reused."""
-        own = (self.master, self.grad, self.exp_avg, self.exp_avg_sq, *(self.spare or ()),
-               *((self.weights,) if self.weights is not None else ()))
+        # (Not the device ``weights``: a flow bucket frees their storage, and a freed address must never be
+        # found in the cache again.)
+        own = (self.master, self.grad, self.exp_avg, self.exp_avg_sq, *(self.spare or ()))
         if not any(buffer is b for b in own):
             return buffer[self.segment(i)].view(self.params[i].shape)
         key = (buffer.data_ptr(), i)
@@ -326,6 +345,8 @@ class FlatBucket:
         for i, p in enumerate(self.params):
             p.data = self.view(self.master if self.weights is None else self.weights, i)
         self.free_weights()
+        if self.flow and self.dtype == torch.bfloat16:
+            self._sync_stage16()
 
     def _adopt_state(self, i: int, bucket: "FlatBucket", j: int) -> None:
         if not self.sharded and not bucket.sharded:

@@ -68,7 +68,9 @@ class OffloadRuntime:
         dtype = self.link_dtype[bucket]
         dst = self.device.empty(flat.master.numel(), dtype)
         self.ledger.alloc(FLOW, key, dst.numel() * dst.element_size())
-        src = flat.master     # read now: a ping-pong commit re-points master, never during a graph
+        # read now: a ping-pong commit re-points master, never during a graph. A separate host master of bf16
+        # weights keeps a bf16 copy for the link (FlatBucket.link_source): half the bytes, cast on the host.
+        src = flat.link_source(dtype) if hasattr(flat, "link_source") else flat.master
         self.events.record(f"{phase}_prefetch", bucket)
 
         def copy():
