@@ -63,3 +63,17 @@ def test_html_report_renders_in_headless_chromium(details):
                         "--no-first-run", f"--user-data-dir={profile_dir}", f"--screenshot={shot}",
                         "--window-size=1200,1400", page.as_uri()], check=True, capture_output=True, timeout=120)
     assert shot.exists() and shot.stat().st_size > 10_000
+
+
+def test_cli_plans_a_parallel_job_with_an_activation_policy(capsys, tmp_path):
+    from socompile.plan.cli_commands import cmd_plan
+    out_json = tmp_path / "p.json"
+    assert cmd_plan(["--model", "tiny", "--seq", "512", "--batch", "1", "--sp", "2", "--dp", "2", "--nodes", "1",
+                     "--activations", "recompute", "--json", str(out_json)]) == 0
+    text = capsys.readouterr().out
+    assert "dp 2 x Ulysses sp 2 = 4 ranks on 1 node(s) of 4 GPU(s)" in text
+    assert "all-to-all at 450 GB/s" in text and "Ulysses all-to-all" in text
+    data = json.loads(out_json.read_text())
+    assert {c for _, c in data["activations"]} == {"recompute"}
+    pred = dict((k, v) for k, v in data["predicted"])
+    assert pred["sp_degree"] == 2 and pred["dp_degree"] == 2 and pred["comm_ulysses_bytes"] > 0
