@@ -119,13 +119,23 @@ def test_forced_separate_master_on_fp32_is_bitwise_equal_to_the_shared_master(ca
 
 
 @pytest.mark.slow
-def test_forced_separate_master_with_inductor_compute_is_bitwise_equal_to_the_shared_master():
-    # (Inductor with only some buckets flowing, e.g. weight_mode="flow:4", fails in the shared mode too: a
-    # prefetch goes missing; a known bug of the flow passes under Inductor, not of the separate master.)
-    options = dict(gpu_buckets=3, weight_mode="flow", prefetch_distance=1)
-    a = train("shared", options=options, compute="inductor")[:2]
-    b = train("separate", options=options, compute="inductor")[:2]
-    assert_bitwise(a, b)
+def test_forced_separate_master_with_inductor_compute_matches_the_shared_master():
+    """Not bitwise: two Inductor compiles of the same model in one process do not always generate the same
+    kernels (measured: shared vs shared differed in 16 parameters after 3 steps in one of three processes, by
+    reduction order), so this uses the Inductor tolerance of tests/test_backend_training.py. What the separate
+    master adds is checked exactly: every device weight is its master's value (uploaded after each step)."""
+    # Stationary + GPU-stepped here (the bf16 Inductor test below streams every CPU bucket). Inductor with only
+    # some buckets flowing, e.g. weight_mode="flow:4", fails in the shared mode too: a prefetch goes missing; a
+    # known bug of the flow passes under Inductor, not of the separate master.
+    options = dict(gpu_buckets=3, weight_mode="stationary")
+    shared, so, _ = train("shared", options=options, compute="inductor")
+    mirror, mo, _ = train("separate", options=options, compute="inductor")
+    for p, q in zip(params_of(shared, so), params_of(mirror, mo)):
+        torch.testing.assert_close(p, q, atol=5e-5, rtol=0)
+    stationary = [b for b in mo.buckets if b.weights is not None]
+    assert len(stationary) == len(mo.buckets) - 3
+    for bucket in stationary:
+        assert torch.equal(bucket.weights, bucket.master)
 
 
 @pytest.mark.parametrize("rollback", ["pingpong", pytest.param("inverse", marks=pytest.mark.slow)])
