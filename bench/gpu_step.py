@@ -89,7 +89,8 @@ def offload_case(args, overrides: dict, data, dtype: torch.dtype) -> None:
     opt = socompile.AdamW(model.parameters(), lr=1e-4)
     if opt.host_master != "separate":
         raise RuntimeError(f"socompile.AdamW chose host_master={opt.host_master!r} for CUDA parameters")
-    backend = socompile.SuperOffload(target=args.target, bucket_size=args.bucket_size)
+    pins = {} if args.gpu_buckets < 0 else {"gpu_buckets": args.gpu_buckets}
+    backend = socompile.SuperOffload(target=args.target, bucket_size=args.bucket_size, **pins)
     cmodel = torch.compile(model, backend=backend)
     torch.cuda.reset_peak_memory_stats()
     losses: list[float] = []
@@ -141,6 +142,10 @@ def main() -> None:
     parser.add_argument("--target", default="gh200")
     parser.add_argument("--bucket-size", default="64MB")
     parser.add_argument("--offload-dtype", choices=("bf16", "fp32", "both"), default="bf16")
+    parser.add_argument("--gpu-buckets", type=int, default=0,
+                        help="buckets whose optimizer stays on the GPU (default 0: every bucket is stepped on the "
+                             "CPU, the offload path; -1: the planner decides, which for a model this small next to "
+                             "the GPU's memory may keep them all on the GPU)")
     parser.add_argument("--skip-baseline", action="store_true", help="only the socompile case(s)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
