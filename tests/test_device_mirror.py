@@ -138,6 +138,32 @@ def test_forced_separate_master_with_inductor_compute_matches_the_shared_master(
         assert torch.equal(bucket.weights, bucket.master)
 
 
+def test_tied_embeddings_flowing_at_both_ends_of_the_forward_are_bitwise_equal(monkeypatch):
+    """lm_head.weight is tok_emb.weight (one parameter, one segment); its bucket flows and is read first and last."""
+    import test_device_mirror as me
+    monkeypatch.setattr(me, "tiny", lambda: build("tiny-tied", n_layers=4))
+    options = dict(weight_mode="flow:0,2,5", prefetch_distance=1)
+    shared, so, _ = train("shared", options=options)
+    mirror, mo, _ = train("separate", options=options)
+    assert mirror.lm_head.weight is mirror.tok_emb.weight and mo.buckets[0].flow
+    assert_bitwise((shared, so), (mirror, mo))
+
+
+def test_eager_use_with_a_separate_master_is_bitwise_equal_to_the_shared_master():
+    def run(host_master):
+        torch.manual_seed(0)
+        model = tiny()
+        opt = socompile.AdamW(model.parameters(), host_master=host_master, max_grad_norm=0.5, **HYP)
+        for x, y in batches(3):
+            lm_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+    shared, mirror = run("shared"), run("separate")
+    assert mirror[1].last_step_clipped and all(b.mirror and b.weights is not None for b in mirror[1].buckets)
+    assert_bitwise(shared, mirror)
+
+
 @pytest.mark.parametrize("rollback", ["pingpong", pytest.param("inverse", marks=pytest.mark.slow)])
 def test_commit_redo_and_skip_upload_the_right_master(rollback):
     """max_grad_norm small enough that every step is clipped (roll back, redo), and a NaN loss at step 1 (roll
