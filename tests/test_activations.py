@@ -17,7 +17,7 @@ import socompile
 from socompile.models import build
 from socompile.passes import activations
 from socompile.plan.verify import check_graphs
-from socompile.runtime.activation_offload import IN_FLIGHT, ActivationOffloadRuntime
+from socompile.runtime.activation_offload import IN_FLIGHT, ActivationOffloadRuntime, offloadable
 from socompile.runtime.device import CPURuntime, CUDARuntime
 from training_helpers import assert_same_params, batches, lm_loss, run_pair
 
@@ -252,6 +252,9 @@ def test_runtime_copies_out_and_back_with_the_same_layout_and_books_the_copies_i
     s = rt.ledger.summary()
     assert s["current"] == 0 and s["phase_peak"]["forward"] == s["phase_peak"]["backward"] == want.numel() * 4
     rt.device.shutdown()
+    assert offloadable(want) and offloadable(torch.randn(4, 6)[:, :3].contiguous())
+    assert not offloadable(torch.randn(4, 1).expand(4, 6))      # stride 0: a flat buffer cannot hold it
+    assert not offloadable(torch.randn(4, 6)[:, ::2])          # gaps between elements
 
 
 def test_runtime_on_cuda_uses_a_side_stream_pinned_buffers_and_event_waits_on_the_compute_stream():
