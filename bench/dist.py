@@ -105,7 +105,7 @@ def paper_rows(simulate: bool = True) -> list[str]:
         return lines
     r = simulated_row()
     lines += [
-        f"  simulated per rank (gh200: one Superchip per node, NDR 400 Gb/s = 50 GB/s per direction, x0.8 achieved):",
+        "  simulated per rank (gh200: one Superchip per node, NDR 400 Gb/s = 50 GB/s per direction, x0.8 achieved):",
         f"    sent: Ulysses all-to-all {r['ulysses'] / 1e9:.1f} GB, ZeRO {r['zero'] / 1e9:.1f} GB; network busy "
         f"{r['busy_s']:.1f} s, {r['exposed_s']:.1f} s of it with the GPU idle",
         f"    step {r['step_s']:.1f} s (forward {r['forward_s']:.1f} s), {r['tflops']:.0f} TFLOP/s, "

@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from test_plan_helpers import options, profile, traced
+from test_plan_helpers import options, profile
 from socompile.plan.memory import host_memory
 from socompile.plan.planner import PlanError, plan, plan_with_details
 from socompile.plan.verify import check

@@ -24,7 +24,7 @@ import sympy
 
 from ..capture.ir import IR
 from ..options import Options
-from .analysis import GraphCosts, analyze, is_repeated_layer, layer_group
+from .analysis import GraphCosts, analyze, layer_group
 from .bucketize import FP32_BYTES, bucketize
 from .cost import CostModel
 from .hardware import GB, HardwareProfile
@@ -723,12 +723,6 @@ def _rollback_modes(ctx: _Context, buckets, decisions: list[str]):
                         f"{ctx.hw.host_memory / GB:.0f} GB (usable {limit / GB:.0f}); keep more buckets on the GPU "
                         f"or use a machine with more host memory")
     return out, total, pinned, parts
-
-
-def _expr_sub(peak, saved, kept, layer):
-    if all(isinstance(x, (int, float)) for x in (peak, saved, kept, layer)):
-        return peak - saved + kept + layer
-    return sympy.expand(sympy.sympify(peak) - saved + kept + layer)
 
 
 def _formula(expr, names: dict[str, str] | None = None) -> str:
