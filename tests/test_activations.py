@@ -277,3 +277,16 @@ def test_runtime_on_cuda_uses_a_side_stream_pinned_buffers_and_event_waits_on_th
     assert api.calls[-1][:2] == ("wait_event", "compute")
     assert rt.in_flight() == 0 and torch.equal(back, t)
     assert not any(c[0] == "event_synchronize" for c in api.calls)
+
+
+def test_module_paths_name_the_layer_groups_of_parameter_names():
+    paths = {"L['self'].layers.0.attn": "layers.0.attn",
+             "L['self']._modules['layers']._modules['0']": "layers.0",
+             "L['self'].model.layers[3].mlp": "model.layers.3.mlp",
+             "L['mod'].h.11": "h.11"}
+    assert {p: activations.module_path(p) for p in paths} == paths
+    graph = torch.fx.Graph()
+    node = graph.placeholder("x")
+    node.meta["nn_module_stack"] = {"a": ("L['self'].model", object), "b": ("L['self'].model.layers.12.mlp", object)}
+    assert activations.layer_of(node, ["model.layers.1", "model.layers.12"]) == "model.layers.12"
+    assert activations.layer_of(node, ["model.layers.1"]) is None

@@ -78,7 +78,7 @@ def override(choices: dict[str, str]):
 
 # ------------------------------------------------------------------------------------------ layers of nodes
 _PREFIX = re.compile(r"^L\['[^']*'\]\.?")
-_ITEM = re.compile(r"(?:\._modules)?\[['\"]?([^'\"\]]+)['\"]?\]")
+_ITEM = re.compile(r"(?:\.?_modules)?\[['\"]?([^'\"\]]+)['\"]?\]")
 
 
 def module_path(path: str) -> str:
