@@ -38,3 +38,19 @@ def test_cpu_adam_time_uses_the_kernels_bytes_per_parameter():
     cost = CostModel(PROFILES["gh200"])
     assert cost.cpu_adam_time(8e9) == pytest.approx(8e9 * 28 / 368e9)
     assert cost.cpu_adam_time(8e9, grad_dtype_bytes=2) < cost.cpu_adam_time(8e9)
+
+
+def test_attention_flops_are_counted_on_cpu_traces_causal_lower_triangle():
+    """The CPU SDPA kernel is not in torch's flop registry: its FLOPs come from the SDPA formulas, causal
+    attention counting (s+1)/(2s) of the full score matrix; backward is 2.5x forward (torch's formula)."""
+    from test_plan_helpers import traced
+    from socompile.models.llama import PRESETS
+    ir = traced()                       # tiny, batch 2, seq 64
+    cfg = PRESETS["tiny"]
+    b, s, h, d = 2, 64, cfg.n_heads, cfg.dim // cfg.n_heads
+    full = 4 * b * h * s * s * d
+    fw = [ir.graph.nodes[k]["flops"] for k in ir.fw_order if "attention" in ir.graph.nodes[k]["op"]]
+    bw = [ir.graph.nodes[k]["flops"] for k in ir.bw_order if "attention" in ir.graph.nodes[k]["op"]]
+    assert len(fw) == len(bw) == cfg.n_layers
+    assert fw == [full * (s + 1) // (2 * s)] * cfg.n_layers
+    assert bw == [int(2.5 * full * (s + 1) / (2 * s))] * cfg.n_layers

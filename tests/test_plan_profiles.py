@@ -52,3 +52,16 @@ def test_calibrate_measures_this_machine_and_writes_a_loadable_profile(tmp_path)
     assert hw.host_bandwidth > 1e8 and hw.cpu_adam_bandwidth > 1e8 and hw.link_bandwidth > 1e8
     assert "measured" in hw.source
     assert load_profile(save_profile(hw, tmp_path / "me.json")) == hw
+
+
+def test_interconnect_numbers_and_which_fabric_a_group_uses():
+    hw = PROFILES["gh200"]
+    assert hw.inter_node_bandwidth == 400e9 / 8           # NDR 400 Gb/s per Superchip, per direction
+    assert hw.intra_node_bandwidth == 450e9               # NVLink 4: 900 GB/s bidirectional per GPU
+    assert hw.group_bandwidth(8) == hw.inter_node_bandwidth          # one GH200 per node: the NIC
+    import dataclasses
+    nvl = dataclasses.replace(hw, gpus_per_node=8)
+    assert nvl.group_bandwidth(8) == 450e9 and nvl.group_bandwidth(16) == hw.inter_node_bandwidth
+    assert nvl.group_bandwidth(2, stride=8) == hw.inter_node_bandwidth   # dp peers 8 ranks apart: other nodes
+    for name, p in PROFILES.items():
+        assert p.gpus_per_node >= 1 and p.intra_node_bandwidth > 0 and p.inter_node_bandwidth > 0, name
