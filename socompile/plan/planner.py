@@ -5,7 +5,10 @@ Decisions, in this order (each reads the cost model; docs/planner.md explains th
 2. Casts and link precision (per bucket, from bandwidths): gradients cross in the model's own dtype (the CPU
    kernel reads bf16 directly, an fp32 upcast carries no information); updated weights cross as fp32 and are
    cast on the GPU when ``4n/link < 2n/link + 2n/cpu_adam_bw`` (C2C), else are cast on the CPU (PCIe).
-3. Activation checkpointing (modelled): only when activations alone leave no room for the weights.
+0. Parallel degrees (options.dp_degree, options.sp_degree): per-rank costs (token work and activations / sp,
+   ZeRO-sharded optimizer state / (dp*sp)); collectives are simulated on the profile's interconnect.
+3. Activations per repeated layer (keep / recompute / offload, ``_activation_policy``): keep what fits, offload
+   where the link hides under compute and host memory allows, recompute the rest.
 4. GPU-resident buckets and weight flow, jointly: for each candidate count K of GPU-resident buckets (the last
    K, whose gradients arrive last), make memory fit by streaming the CPU buckets whose transfers hide best
    (``t_compute(reads) / t_transfer`` highest first), give each flow bucket the prefetch distance that hides its
