@@ -565,3 +565,40 @@ def test_cuda_flow_buckets_free_their_device_storage_and_nothing_recompiles():
     assert flow and all(b.weights.untyped_storage().nbytes() == 0 for b in flow)
     assert len(backend.compiled) == 1 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert backend.compiled[0].offload.live_fetched() == 0
+
+
+def test_a_final_step_of_bf16_weights_writes_them_in_the_kernel_pass_and_a_commit_casts_them_at_upload(monkeypatch):
+    """CPU build, bf16 parameters: a final in-place step has the kernel write the bf16 weights in the same pass
+    (param_bf16_out, RNE like .to(bfloat16)), so the upload copies nothing; a committed ping-pong step casts the
+    whole bucket at upload."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(37, 5).to(torch.bfloat16)),
+              torch.nn.Parameter(torch.randn(20).to(torch.bfloat16))]
+    bucket = FlatBucket(0, params, host_master="separate", runtime=dev.CPURuntime())
+    bucket.group_of = [0, 0]
+    bucket.adopt({})
+    groups = [dict(HYP, eps=1e-8, decoupled=True)]
+    copies = []
+    original = torch.Tensor.copy_
+
+    def spy(self, other, non_blocking=False):
+        copies.append(self.data_ptr() == bucket.weights.data_ptr())
+        return original(self, other, non_blocking=non_blocking)
+
+    for step in (1, 2):
+        bucket.receive_many([0, 1], [torch.randn(p.shape).to(torch.bfloat16) for p in params], accumulate=False)
+        before = bucket.weights.clone()
+        if step == 1:
+            step_bucket(bucket, groups, final=True)
+            assert not torch.equal(bucket.weights, before)        # written by the kernel, before any upload
+        else:
+            step_bucket(bucket, groups, into_spare=True)
+            assert torch.equal(bucket.weights, before)            # a speculative step leaves the weights alone
+            bucket.swap_in_spare()
+        bucket.steps = [s + 1 for s in bucket.steps]
+        monkeypatch.setattr(torch.Tensor, "copy_", spy)
+        bucket.upload()
+        monkeypatch.setattr(torch.Tensor, "copy_", original)
+        assert copies == ([] if step == 1 else [True])
+        assert torch.equal(bucket.weights, bucket.master.to(torch.bfloat16))
+        assert all(p.data_ptr() == bucket.view(bucket.weights, i).data_ptr() for i, p in enumerate(params))
