@@ -13,8 +13,8 @@ bf16 aten ops on bitwise equal weights as long as the masters round alike; the k
 differs from torch's by an ulp (see tests/test_backend_training.py), so the masters differ by ~1 fp32 ulp
 (measured 6e-8 after 4 steps: atol 1e-6), and a master that close to a bf16 rounding boundary rounds to the
 neighbouring bf16 value: measured 9 of 459k weights one bf16 ulp apart. So the weights are bounded by one bf16
-ulp (2**-8 to 2**-7 of the value) and at most 1e-4 of them may differ at all; a stale upload (weights one step behind) moves
-~all of them by ~lr and fails both bounds.
+ulp (2**-8 to 2**-7 of the value) and at most 1e-4 of them may differ at all; a stale upload (weights one step
+behind) moves ~all of them by ~lr and fails both bounds.
 """
 import copy
 import math
