@@ -1,14 +1,16 @@
 """Custom ops of the weight-flow passes: fetch a bucket's weights to the device, wait for them, release them.
 
-    socompile::prefetch(handle, phase, bucket) -> ()            start the host->device copy (async)
-    socompile::wait_weights(handle, phase, bucket, numel, dtype, device) -> Tensor[numel]
+    socompile::prefetch(handle, phase, bucket) -> ticket        start the host->device copy (async)
+    socompile::wait_weights(handle, phase, bucket, numel, dtype, device, ticket) -> Tensor[numel]
                                                                 the flat weights, once the copy is done
     socompile::release(handle, phase, bucket, after) -> ()      the bucket's device bytes are given back
 
-All three register an ORDERED effect: dead-code elimination keeps ``prefetch`` and ``release`` (they return
-nothing), and every scheduler keeps their relative order, which is what the memory accounting relies on.
-``after`` carries the outputs of the bucket's last readers: no data is read, it only makes every scheduler run
-the release after them. ``wait_weights`` returns a fresh tensor that the graph owns (it aliases no input).
+All three register an ORDERED effect, so dead-code elimination keeps them. Their order does not rest on that
+effect, though: Inductor orders only the effectful ops that tracing itself wrapped, and these are inserted after
+partitioning (we saw it run a wait before its prefetch). So every ordering that matters is a data edge:
+``prefetch`` returns an empty *ticket* tensor that its ``wait_weights`` takes (the copy starts before the wait),
+and ``release``'s ``after`` carries the outputs of the bucket's last readers (no data is read; it only makes
+every scheduler run the release after them). ``wait_weights`` returns a fresh tensor that the graph owns (it aliases no input).
 """
 from __future__ import annotations
 
@@ -18,23 +20,24 @@ from ..runtime import handles
 
 
 @torch.library.custom_op("socompile::prefetch", mutates_args=())
-def prefetch(handle: int, phase: str, bucket: int) -> None:
+def prefetch(handle: int, phase: str, bucket: int) -> torch.Tensor:
     handles.lookup(handle).prefetch(phase, bucket)
+    return torch.empty(0)
 
 
 @prefetch.register_fake
-def _(handle, phase, bucket) -> None:
-    return None
+def _(handle, phase, bucket):
+    return torch.empty(0)
 
 
 @torch.library.custom_op("socompile::wait_weights", mutates_args=())
 def wait_weights(handle: int, phase: str, bucket: int, numel: int, dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor:
+                 device: torch.device, ticket: torch.Tensor | None = None) -> torch.Tensor:
     return handles.lookup(handle).wait(phase, bucket)
 
 
 @wait_weights.register_fake
-def _(handle, phase, bucket, numel, dtype, device):
+def _(handle, phase, bucket, numel, dtype, device, ticket=None):
     return torch.empty(numel, dtype=dtype, device=device)
 
 

@@ -55,9 +55,12 @@ class _Builder:
         val = None
         if self.fake is not None and target is torch.ops.socompile.wait_weights.default:
             # Our ops are never run for their value here: they would act on the runtime (an op without tensor
-            # inputs is not intercepted by the fake mode). Only wait_weights has a value.
+            # inputs is not intercepted by the fake mode). wait_weights and prefetch (its ticket) have values.
             with self.fake:
                 val = torch.empty(args[3], dtype=args[4], device=args[5])
+        elif self.fake is not None and target is torch.ops.socompile.prefetch.default:
+            with self.fake:
+                val = torch.empty(0)    # the ticket its wait takes
         elif self.fake is not None and getattr(target, "namespace", None) != "socompile":
             with self.fake:
                 out = target(*fx.node.map_arg(node.args, lambda n: n.meta.get("val")))
@@ -101,21 +104,23 @@ def _apply(gm: fx.GraphModule, plan, ctx, phase: str, pass_name: str) -> fx.Grap
     holders = _flow_placeholders(gm, ctx, phase, flow_params)
     chains = ctx.flow_saved_chains          # bw placeholder name -> view ops to replay on the parameter
     fetched: dict[fx.Node, str] = {}        # per-parameter weight node -> parameter name
+    tickets: dict[int, fx.Node] = {}        # bucket -> its prefetch node, whose output its wait takes (order by data)
     for action in schedule:
         anchor = nodes[action.anchor.split(":", 1)[1]]
         b = buckets[action.bucket]
         why = f"bucket {b.index} ({b.layers}) flows, prefetch distance {b.prefetch_distance}"
         if action.kind == "prefetch":
             with gm.graph.inserting_before(anchor):
-                build.call(torch.ops.socompile.prefetch.default, (runtime.handle, phase, b.index),
-                           f"{why}: start its copy to the device", anchor)
+                tickets[b.index] = build.call(torch.ops.socompile.prefetch.default, (runtime.handle, phase, b.index),
+                                              f"{why}: start its copy to the device", anchor)
         elif action.kind == "wait":
             flat_bucket = runtime.buckets[b.index]
             like = next(holders[p][0] for p in b.params if p in holders).meta["val"]
             link = _DTYPES[b.param_link_dtype]
             with gm.graph.inserting_before(anchor):
                 flat = build.call(torch.ops.socompile.wait_weights.default,
-                                  (runtime.handle, phase, b.index, flat_bucket.master.numel(), link, like.device),
+                                  (runtime.handle, phase, b.index, flat_bucket.master.numel(), link, like.device,
+                                   tickets.pop(b.index, None)),
                                   f"{why}: its weights are needed from here", anchor)
                 for i, name in enumerate(b.params):
                     if name not in holders:
