@@ -127,10 +127,12 @@ def test_two_socompile_optimizers_in_one_graph_is_an_error():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_parameters_are_refused_with_the_fix(dtype):
-    model = nn.Linear(4, 4).to(dtype)
-    with pytest.raises(TypeError, match=r"fp32 CPU parameters.*model.float\(\)"):
-        socompile.AdamW(model.parameters())
+def test_low_precision_parameters_get_a_separate_master_but_shared_mode_is_refused_with_the_fix(dtype):
+    # Accepted by default: a separate fp32 host master (tests/test_device_mirror.py trains such models).
+    assert all(b.mirror for b in socompile.AdamW(nn.Linear(4, 4).to(dtype).parameters()).buckets)
+    # Asked to alias the fp32 master, they cannot: the error names the option that works.
+    with pytest.raises(TypeError, match=r"needs fp32 CPU parameters.*Use host_master='auto'"):
+        socompile.AdamW(nn.Linear(4, 4).to(dtype).parameters(), host_master="shared")
 
 
 def test_cuda_graphs_mode_is_refused():
