@@ -39,8 +39,6 @@ import contextlib
 import torch
 from torch import nn
 
-from .host_memory import host_zeros
-
 ALIGN = 16  # elements: 64 bytes, a cache line and an AVX-512 vector
 
 
@@ -135,7 +133,7 @@ class FlatBucket:
             return torch.zeros(n, dtype=torch.float32, device=self.device)
         if self._cuda_host():
             return self.runtime.host_buffer(n, torch.float32).zero_()
-        return host_zeros(n)     # 2 MB pages for large buffers: the kernel streams them (host_memory.py)
+        return torch.zeros(n)
 
     @staticmethod
     def _no_zero():
