@@ -289,20 +289,18 @@ def simulate(plan: Plan, costs: GraphCosts, cost: CostModel, schedule: str = "su
     fw_cuts: list[int] = []
     bw_cuts: list[int] = []
     if sp > 1:
-        fw_by_pos = dict(zip(costs.fw_attention, a2a))
-        bw_by_pos = dict(zip(costs.bw_attention, reversed(a2a)))
-        for pos, nbytes in fw_by_pos.items():
-            fw_cuts += [pos, pos + 1]
-            fw_before.setdefault(pos, []).append(
-                lambda prev, n=nbytes, p=pos: [all_to_all(f"fw a2a qkv @{p}", n * 0.75, [prev])])
-            fw_after.setdefault(pos + 1, []).append(
-                lambda seg, n=nbytes, p=pos: [all_to_all(f"fw a2a out @{p}", n * 0.25, [seg])])
-        for pos, nbytes in bw_by_pos.items():
-            bw_cuts += [pos, pos + 1]
-            bw_before.setdefault(pos, []).append(
-                lambda prev, n=nbytes, p=pos: [all_to_all(f"bw a2a dout @{p}", n * 0.25, [prev])])
-            bw_after.setdefault(pos + 1, []).append(
-                lambda seg, n=nbytes, p=pos: [all_to_all(f"bw a2a dqkv @{p}", n * 0.75, [seg])])
+        # Around each attention: q, k, v (3/4 of the bytes) turn from sequence to head shards before it and the
+        # output (1/4) turns back after it; backward mirrors that (d_out before, dq/dk/dv after).
+        phases = (("fw", zip(costs.fw_attention, a2a), fw_before, fw_after, fw_cuts, ("qkv", 0.75), ("out", 0.25)),
+                  ("bw", zip(costs.bw_attention, reversed(a2a)), bw_before, bw_after, bw_cuts, ("dout", 0.25),
+                   ("dqkv", 0.75)))
+        for phase, by_pos, before, after, cuts, (pre, pre_share), (post, post_share) in phases:
+            for pos, nbytes in dict(by_pos).items():
+                cuts += [pos, pos + 1]
+                before.setdefault(pos, []).append(
+                    lambda prev, n=nbytes * pre_share, what=f"{phase} a2a {pre} @{pos}": [all_to_all(what, n, [prev])])
+                after.setdefault(pos + 1, []).append(
+                    lambda seg, n=nbytes * post_share, what=f"{phase} a2a {post} @{pos}": [all_to_all(what, n, [seg])])
     layer_a2a = {}
     if sp > 1:
         for lc in costs.layers:
