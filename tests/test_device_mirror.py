@@ -389,14 +389,24 @@ def test_checkpoint_round_trip_with_flow_buckets_and_a_separate_master(tmp_path)
     assert all(torch.equal(p, q) for p, q in zip(params_of(resumed, ro), params_of(straight, so)))
 
 
-def test_zero_sharding_of_a_separate_master_says_what_is_missing():
-    params = [torch.nn.Parameter(torch.randn(40, 3))]
+def test_zero_sharding_of_a_separate_master_shards_the_host_state_and_refuses_gpu_stepped_buckets():
+    # ZeRO with a separate host master (tests/test_dist_zero.py trains with it): the moments cover the window,
+    # the host master and gradient and the device weights stay whole (the all-gather fills the master, the
+    # upload casts it into the weights).
+    params = [torch.nn.Parameter(torch.randn(40, 3).to(torch.bfloat16))]
     bucket = FlatBucket(0, params, host_master="separate", runtime=dev.CPURuntime())
-    with pytest.raises(NotImplementedError, match="reduce-scatter of the device gradients"):
-        bucket.shard(0, 2)
+    bucket.shard(1, 2)
+    assert bucket.sharded and bucket.window == (64, 128) and bucket.exp_avg.numel() == 64
+    assert bucket.master.numel() == bucket.grad.numel() == bucket.weights.numel() == 128
     shared = FlatBucket(0, [torch.nn.Parameter(torch.randn(40, 3))])
     shared.shard(0, 2)
     assert shared.sharded
+    # A bucket stepped on the GPU (state on the device; "meta" stands in for one) cannot be sharded yet.
+    on_gpu = [torch.nn.Parameter(torch.empty(40, 3, device="meta"))]
+    with pytest.raises(NotImplementedError, match="device-stepped optimizer bucket.*gpu_buckets=0"):
+        FlatBucket(0, on_gpu, shard=(0, 2), host_master="separate", site="device")
+    with pytest.raises(NotImplementedError, match="device-stepped optimizer bucket"):
+        FlatBucket(0, on_gpu, host_master="separate", site="device").shard(0, 2)
 
 
 def test_a_shared_master_refuses_non_fp32_parameters_and_auto_picks_separate():

@@ -226,3 +226,68 @@ def _bytes(obj):
     torch.save(obj, buffer)
     buffer.seek(0)
     return buffer
+
+
+# ------------------------------------------------------------- separate host master (bf16 device weights)
+def _build_bf16(seed: int):
+    import socompile
+    from socompile.models import build
+    torch.manual_seed(seed)
+    model = build("tiny", n_layers=1).to(torch.bfloat16)
+    return model, socompile.AdamW(model.parameters(), max_grad_norm=0.5, bucket_size="40KB", **HYPER)
+
+
+def _master(opt) -> torch.Tensor:
+    return torch.cat([b.view(b.master, i).reshape(-1) for b in opt.buckets for i in range(len(b.params))
+                      ]).clone()
+
+
+def _separate_worker(args: dict) -> dict:
+    import socompile.distributed as sd
+
+    topo = sd.init_distributed(timeout_s=60)
+    data = _data()
+    model, opt = _build_bf16(0)
+    sd.shard_optimizer(opt, topo.world_group)
+    _train(model, opt, data[:SAVE_AT], topo.rank, topo.world_size)
+    sd.save(args["dir"], model, opt, step=SAVE_AT)
+    saved_master = _master(opt)
+    norms = _train(model, opt, data[SAVE_AT:], topo.rank, topo.world_size)
+    final = {n: p.detach().clone() for n, p in model.named_parameters()}
+    final_master = _master(opt)
+
+    fresh, fresh_opt = _build_bf16(1)      # other initial values: everything must come from the checkpoint
+    sd.shard_optimizer(fresh_opt, topo.world_group)
+    extra = sd.load(args["dir"], fresh, fresh_opt)
+    loaded_master = _master(fresh_opt)
+    resumed = _train(fresh, fresh_opt, data[SAVE_AT:], topo.rank, topo.world_size)
+    same = all(torch.equal(p, final[n]) for n, p in fresh.named_parameters())
+    if topo.rank == 0:
+        torch.save(saved_master, args["master"])
+    sd.shutdown()
+    return {"extra": extra, "norms": norms, "resumed": resumed, "same_weights": same,
+            "loaded_master_bitwise": torch.equal(loaded_master, saved_master),
+            "same_master": torch.equal(_master(fresh_opt), final_master),
+            "mirror": all(b.mirror and b.sharded for b in opt.buckets)}
+
+
+def test_separate_host_master_bf16_saved_by_2_ranks_resumes_bitwise_with_its_fp32_master(tmp_path):
+    # bf16 parameters, host_master="separate", ZeRO over 2 ranks: the fp32 master (not only its bf16 rounding)
+    # is in the checkpoint, so a resume in the same layout continues bitwise (weights, master, global norms).
+    import socompile.distributed as sd
+
+    args = {"dir": str(tmp_path / "ckpt"), "master": str(tmp_path / "master.pt")}
+    results = _ok(run_local(f"{HERE}:_separate_worker", 2, args, timeout_s=150))
+    for r in results:
+        assert r["mirror"] and r["extra"] == {"step": SAVE_AT}
+        assert r["loaded_master_bitwise"] and r["same_master"] and r["same_weights"]
+        assert r["resumed"] == r["norms"]
+    # One process without torch.distributed: the same fp32 master, and bf16 weights that are its rounding.
+    saved_master = torch.load(args["master"], weights_only=True)
+    model, opt = _build_bf16(1)
+    assert sd.load(args["dir"], model, opt) == {"step": SAVE_AT}
+    assert torch.equal(_master(opt), saved_master)
+    for b in opt.buckets:
+        for i, p in enumerate(b.params):
+            assert torch.equal(p.detach(), b.view(b.master, i).to(torch.bfloat16))
+    assert all(s["step"].item() == SAVE_AT for s in opt.state_dict()["state"].values())

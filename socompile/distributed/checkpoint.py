@@ -10,7 +10,15 @@ What is in the directory (DCP keys):
     optim.state.<k>.step              parameter k's step count (k: its index in the optimizer, as in torch's layout)
     optim.state.<k>.exp_avg[_sq]      its moments, flattened to 1-D (numel elements); each rank writes the
                                       contiguous piece its buckets' windows hold, so the pieces tile the tensor
+    optim.state.<k>.master            separate host master (host_master="separate") and a parameter that is not
+                                      fp32: the fp32 master its (bf16) weights round, whole, like the model (the
+                                      same on every rank after the all-gather: DCP writes it once)
     optim.param_groups, extra, meta   small pickled values (read back with weights_only=True)
+
+Separate host master: the model's tensors are views of the device ``weights`` (a weight-flow bucket's are
+refilled from the master for the save and the load, ``AdamW.materialized_weights``); after a load the master is
+taken from the loaded weights (exact for fp32 parameters), then from ``optim.state.<k>.master`` where the
+checkpoint has it (a checkpoint without it gives a bf16 parameter the master of its bf16 value), and uploaded.
 
 Moments are keyed by parameter, not by bucket: the bucket layout depends on the world size, the bucket size and
 on what was compiled, a parameter's flat elements do not. Loading asks DCP for the pieces the loading rank's
@@ -31,6 +39,7 @@ point leaves the previous checkpoint complete: as ``<name>``, or (killed between
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pathlib
@@ -148,6 +157,9 @@ def _optimizer_entries(optimizer, fresh_steps: bool):
             for key, buffer in (("exp_avg", bucket.exp_avg), ("exp_avg_sq", bucket.exp_avg_sq)):
                 part = bucket.state_part(buffer, i) if held is not None else buffer[:0]
                 entry[key] = _FlatPiece(part, a, p.numel())
+            if bucket.mirror and p.dtype != torch.float32:   # the fp32 master the low-precision weights round
+                entry["master"] = (torch.empty(p.shape, dtype=torch.float32) if fresh_steps
+                                   else bucket.view(bucket.master, i))
             yield index_of[id(p)], p, bucket, i, entry
 
 
@@ -166,23 +178,15 @@ def save(path: str | os.PathLike, model=None, optimizer=None, *, group=None,
     state: dict[str, Any] = {"meta": _pack({"format": FORMAT, "version": VERSION,
                                             "world": dist.get_world_size(group) if _distributed() else 1}),
                              "extra": _pack(extra)}
-    if model is not None:
-        state["model"] = _module(model).state_dict()
     if optimizer is not None:
         _check_optimizer(optimizer)
-        state["optim"] = {"state": {str(k): entry for k, *_, entry in _optimizer_entries(optimizer, False)},
-                          "param_groups": _pack(_groups(optimizer))}
-    if _rank(group) == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if prev.exists() and not path.exists():   # a save was killed between its renames: keep that one
-            prev.rename(path)
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(prev, ignore_errors=True)
-        tmp.mkdir()
-    _barrier(group)
-    with warnings.catch_warnings():   # DCP warns that one process without torch.distributed saves alone: intended
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, checkpoint_id=tmp, planner=_SavePlanner(), process_group=group, no_dist=not _distributed())
+    with _weights_held(model, optimizer, pull=False):
+        if model is not None:
+            state["model"] = _module(model).state_dict()
+        if optimizer is not None:
+            state["optim"] = {"state": {str(k): entry for k, *_, entry in _optimizer_entries(optimizer, False)},
+                              "param_groups": _pack(_groups(optimizer))}
+        _write(state, path, tmp, prev, group)
     _barrier(group)   # every rank's files are written (DCP fsyncs them) before rank 0 publishes the directory
     if _rank(group) == 0:
         if _before_rename is not None:
@@ -197,6 +201,28 @@ def save(path: str | os.PathLike, model=None, optimizer=None, *, group=None,
     return path
 
 
+def _weights_held(model, optimizer, pull: bool):
+    """Separate host master: every parameter holds its weights (weight-flow buckets refilled from the master)
+    while the block runs; with ``pull`` the master is taken from the weights at exit (the model was loaded)."""
+    if model is None or optimizer is None:
+        return contextlib.nullcontext()
+    return optimizer.materialized_weights(pull=pull)
+
+
+def _write(state: dict, path: pathlib.Path, tmp: pathlib.Path, prev: pathlib.Path, group) -> None:
+    if _rank(group) == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if prev.exists() and not path.exists():   # a save was killed between its renames: keep that one
+            prev.rename(path)
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(prev, ignore_errors=True)
+        tmp.mkdir()
+    _barrier(group)
+    with warnings.catch_warnings():   # DCP warns that one process without torch.distributed saves alone: intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=tmp, planner=_SavePlanner(), process_group=group, no_dist=not _distributed())
+
+
 def load(path: str | os.PathLike, model=None, optimizer=None, *, group=None, strict: bool = True) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save` (with any world size) into ``model`` and a socompile.AdamW,
     sharded or not; return the ``extra`` values. Every rank of ``group`` calls it (or one process, without
@@ -208,17 +234,29 @@ def load(path: str | os.PathLike, model=None, optimizer=None, *, group=None, str
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}")
     state: dict[str, Any] = {"meta": b"", "extra": b""}
-    if model is not None:
-        state["model"] = _module(model).state_dict()    # tensors that alias the weights: loaded in place
     entries = []
     if optimizer is not None:
         _check_optimizer(optimizer)
         entries = list(_optimizer_entries(optimizer, True))
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        for k, *_, entry in entries:   # a checkpoint without the fp32 master: the master comes from the weights
+            if "master" in entry and f"optim.state.{k}.master" not in saved:
+                del entry["master"]
         state["optim"] = {"state": {str(k): entry for k, *_, entry in entries}, "param_groups": b""}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=path, planner=_LoadPlanner(allow_partial_load=not strict), process_group=group,
-                 no_dist=not _distributed())
+    with _weights_held(model, optimizer, pull=True):
+        if model is not None:
+            state["model"] = _module(model).state_dict()    # tensors that alias the weights: loaded in place
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=path, planner=_LoadPlanner(allow_partial_load=not strict),
+                     process_group=group, no_dist=not _distributed())
+    masters = [(bucket, i, entry["master"]) for _, _, bucket, i, entry in entries if "master" in entry]
+    for bucket, i, master in masters:   # after the pull from the weights: the saved fp32 master wins
+        bucket.before_host_write()
+        bucket.view(bucket.master, i).copy_(master)
+        bucket.master_changed()
+    if masters:
+        optimizer._upload(optimizer.buckets)
     meta = _unpack(state["meta"]) if isinstance(state["meta"], bytes) else state["meta"]
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{path} is not a socompile sharded checkpoint (written by socompile.distributed.save)")

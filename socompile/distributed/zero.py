@@ -13,6 +13,11 @@ dim 0 and chunks must be equal)::
     opt.step(): all_reduce([sum of squares, non-finite])   so every rank validates alike
       -> commit / skip / redo-with-clip, each on its own shard
       -> all_gather_single(master[lo:hi])  -> every rank's full fp32 weights (the model aliases them)
+      -> separate host master (GPU / bf16 parameters): the whole master is uploaded into the device weights
+
+Separate host master: the reduce-scatter reads the host ``grad`` once the device gradients' copy-in is done
+(``FlatBucket.wait_grads``) and the all-gather marks the master changed (``FlatBucket.master_changed``), so the
+upload in ``opt.step()`` casts all of it, not only this rank's window (see runtime/flat_bucket.py).
 
 NOTE: collective order. gloo (and NCCL) match collectives by issue order, so every collective here is issued
 from the training thread: reduce-scatters in backward-graph order (identical on every rank), the rest in
@@ -103,6 +108,12 @@ class ZeroSharding:
         if id(bucket) in self._inflight or id(bucket) in self._reduced:
             return
         shard = self.shard_of(bucket)
+        # Separate host master: the copy-in of the device gradients (CUDA: async on the "d2h" stream, and staged
+        # micro-batches still to add) must have landed in the host ``grad`` before the collective reads it.
+        # NOTE: on CUDA this blocks the training thread on that copy and reduces on the host (gloo); reducing the
+        # device gradients first (NCCL) and copying only this rank's shard to the host is the remaining
+        # optimisation (docs/distributed.md).
+        bucket.wait_grads()
         send = bucket.grad
         if shard.padded != bucket.numel:
             send = torch.zeros(shard.padded, dtype=bucket.grad.dtype)
@@ -168,7 +179,10 @@ class ZeroSharding:
                     dist.all_gather_single(full, mine, group=self.group)
                 else:
                     dist.all_gather_into_tensor(full, mine, group=self.group)
+            bucket.before_host_write()   # separate master, CUDA: an upload still reading the master is done
             bucket.master.copy_(full[:bucket.numel])
+            if bucket.mirror:   # the device weights (a flow bucket: the bf16 stage) are cast again from all of it
+                bucket.master_changed()
             nbytes = full.numel() * full.element_size()
             self.stats.all_gather_bytes += nbytes
             self.stats.sent_bytes += self._ring(nbytes)
@@ -193,7 +207,11 @@ def shard_optimizer(optimizer, group=None, broadcast_from: int | None = 0) -> Ze
         source = dist.get_global_rank(group, broadcast_from) if group is not None else broadcast_from
         with guard("broadcast of the initial weights", group):
             for bucket in optimizer.buckets:
+                bucket.before_host_write()
                 dist.broadcast(bucket.master, src=source, group=group)
+                if bucket.mirror:   # separate master: every rank's device weights from the broadcast master
+                    bucket.master_changed()
+        optimizer._upload(optimizer.buckets)
     optimizer._wait_pending()
     for bucket in optimizer.buckets:   # from now on each rank keeps optimizer state for its windows only
         bucket.shard(sharding.rank, sharding.world)

@@ -271,7 +271,8 @@ class AdamW(torch.optim.Optimizer):
             self.events.record("step_start", bucket.index)
             step_bucket(bucket, self.param_groups, final=True)
             bucket.stepped = True
-            bucket.upload()   # separate host master: the new weights go to the device while backward goes on
+            if self._sharding is None:   # ZeRO: only this rank's window is new; step() uploads after the gather
+                bucket.upload()   # separate host master: the new weights go to the device while backward goes on
             self.events.record("step_end", bucket.index)
             return
         spec = self._speculator

@@ -17,6 +17,12 @@ from then on the optimizer state (exp_avg, exp_avg_sq and the spare's master/mom
 element k of the bucket is element ``k - state_lo`` of those buffers (``local(start, end)``). ``master`` and
 ``grad`` stay full size: the model's weights alias ``master``, and backward writes whole gradients, which the
 reduce-scatter reads. With one rank (or never sharded) the state is the whole bucket and nothing changes.
+With a separate host master (below) the same holds for the host buffers: the copy-in lands whole gradients in
+``grad`` (the reduce-scatter waits for that copy, ``wait_grads``), the rank steps its window of ``master``, and
+once the all-gather has filled the whole ``master`` it is marked changed (``master_changed``), so the upload
+casts all of it into the device ``weights`` (or the bf16 stage a flow bucket's fetch reads). A device-stepped
+bucket whose state is on a GPU (``site == "device"`` on CUDA) cannot be sharded yet (``_no_zero``; on the CPU
+build its buffers are host memory and it shards like the others).
 
 NOTE: host master, "shared" or "separate" (mirror). Shared (the default for fp32 CPU parameters): as above, the
 parameters alias ``master``. Separate (parameters on a GPU, or not fp32, or forced): the bucket keeps a flat
@@ -71,7 +77,8 @@ class FlatBucket:
             raise TypeError(f"the parameters of one optimizer bucket must share dtype and device (one flat device "
                             f"buffer holds them); bucket {index} has {', '.join(kinds)}. Cast the model to one dtype "
                             f"(model.to(torch.bfloat16)) or put the odd parameters in their own param group.")
-        if shard is not None and shard[1] > 1 and self.mirror:
+        if shard is not None and shard[1] > 1 and self.mirror and site == "device" and params \
+                and params[0].device.type != "cpu":
             self._no_zero()
         self.index = index
         self.params = list(params)
@@ -138,10 +145,10 @@ class FlatBucket:
     @staticmethod
     def _no_zero():
         raise NotImplementedError(
-            "ZeRO sharding (socompile.distributed.shard_optimizer) of a socompile.AdamW with a separate host master "
-            "(host_master='separate', GPU or non-fp32 parameters) is not implemented: it needs the reduce-scatter "
-            "of the device gradients before their copy to the host shard, and an upload of the all-gathered master "
-            "to every rank's device weights. Use fp32 CPU parameters (host_master='shared') with ZeRO for now.")
+            "ZeRO sharding (socompile.distributed.shard_optimizer) of a device-stepped optimizer bucket (the plan's "
+            "optimizer site 'device': master, gradients and moments on the GPU) is not implemented: the "
+            "reduce-scatter and all-gather of socompile.distributed.zero work on host buffers. Plan with "
+            "gpu_buckets=0 (every bucket stepped on the CPU) when sharding the optimizer.")
 
     def low_out(self) -> torch.Tensor | None:
         """Where a final in-place kernel step may write the bf16 copy of the updated master in the same pass:
@@ -306,7 +313,7 @@ class FlatBucket:
         if self.window is not None or world <= 1:
             self.window = self.window or (0, self.numel)
             return
-        if self.mirror:
+        if self.mirror and self.master.device.type != "cpu":
             self._no_zero()
         lo, hi = self.window = shard_window(self.numel, rank, world)
         self.exp_avg, self.exp_avg_sq = self.exp_avg[lo:hi].clone(), self.exp_avg_sq[lo:hi].clone()
@@ -472,6 +479,7 @@ class FlatBucket:
             window.copy_(spare_master)
             self.spare = (spare_master, self.exp_avg, self.exp_avg_sq)
             self.exp_avg, self.exp_avg_sq = spare_m, spare_v
+            self.dirty, self._low_synced = True, False   # separate master: the window changed (gather: the rest)
             return
         spare_master, spare_m, spare_v = self.spare
         for i, present in enumerate(self.has_grad):
