@@ -249,11 +249,12 @@ def test_flow_weights_hold_no_device_bytes_between_uses_and_nothing_recompiles()
         opt.step()
 
 
-def bf16_pair(options, steps=4, clip=None, compute="eager"):
-    """The bf16 model through socompile, and the eager reference: bf16 model, fp32 master copy stepped by
-    torch.optim.AdamW with the fp32-upcast bf16 gradients (clipped like ours), cast back to bf16 each step."""
+def master_ref_pair(options, steps=4, clip=None, compute="eager", device="cpu", dtype=torch.bfloat16):
+    """The model (``dtype`` on ``device``) through socompile, and the eager reference: the same model, an fp32
+    master copy stepped by torch.optim.AdamW with the fp32-upcast gradients (clipped like ours), copied back
+    (cast to ``dtype``) each step. On the CPU ``dtype`` is bf16 (the separate master chosen by "auto")."""
     torch.manual_seed(0)
-    ours = tiny().to(torch.bfloat16)
+    ours = tiny().to(device=device, dtype=dtype)
     ref = copy.deepcopy(ours)
     opt = socompile.AdamW(ours.parameters(), max_grad_norm=clip, **HYP)
     rparams = list(ref.parameters())
@@ -262,6 +263,7 @@ def bf16_pair(options, steps=4, clip=None, compute="eager"):
     backend = socompile.SuperOffload({"compute": compute, "gpu_buckets": 0, "bucket_size": "256KB", **options})
     cmodel = torch.compile(ours, backend=backend)
     for x, y in batches(steps):
+        x, y = x.to(device), y.to(device)
         lm_loss(cmodel(x).float(), y).backward()
         lm_loss(ref(x).float(), y).backward()
         for m, p in zip(masters, rparams):
@@ -276,6 +278,8 @@ def bf16_pair(options, steps=4, clip=None, compute="eager"):
         with torch.no_grad():
             for m, p in zip(masters, rparams):
                 p.copy_(m)
+    if device != "cpu":
+        torch.cuda.synchronize()
     return ours, ref, masters, opt, backend
 
 
@@ -295,7 +299,7 @@ def assert_bf16_close(ours, ref, masters, opt):
 
 @pytest.mark.parametrize("case", ["stationary", pytest.param("flow", marks=pytest.mark.slow), "mix"])
 def test_bf16_model_trains_like_an_fp32_master_reference(case):
-    ours, ref, masters, opt, backend = bf16_pair(CASES[case])
+    ours, ref, masters, opt, backend = master_ref_pair(CASES[case])
     assert opt.host_master == "separate"                        # chosen by "auto": the parameters are bf16
     assert all(b.master.dtype == torch.float32 for b in opt.buckets)
     assert all(b.weights.dtype == torch.bfloat16 for b in opt.buckets)   # device-stepped too: a bf16 copy
@@ -315,8 +319,8 @@ def test_bf16_model_with_clipping_and_inductor_trains_like_the_reference():
     # (~lr each), the argument of test_weight_flow's bf16-link test: worst element <= 2 * lr * steps, mean <= 1e-4
     # (a stale upload or a missing commit moves nearly every element by ~lr per step).
     steps = 4
-    ours, ref, masters, opt, _ = bf16_pair(dict(gpu_buckets=3, weight_mode="flow", prefetch_distance=1), clip=0.5,
-                                           compute="inductor", steps=steps)
+    ours, ref, masters, opt, _ = master_ref_pair(dict(gpu_buckets=3, weight_mode="flow", prefetch_distance=1),
+                                                 clip=0.5, compute="inductor", steps=steps)
     assert opt.last_step_clipped and opt.stats["redone"] > 0
     diff = torch.cat([(opt._slot[id(p)][0].view(opt._slot[id(p)][0].master, opt._slot[id(p)][1]) - m.detach())
                       .abs().flatten() for p, m in zip(ours.parameters(), masters)])
@@ -507,45 +511,14 @@ def test_an_upload_never_synchronizes_a_stream_and_is_skipped_for_flow_buckets()
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def cuda_pair(dtype, options, steps=4, clip=None, compute="eager"):
-    """The model on the GPU through socompile (separate host master, chosen by "auto"), and the eager reference
-    on the GPU: fp32 model + torch.optim.AdamW, or bf16 model + fp32 master copy stepped by torch.optim.AdamW."""
-    torch.manual_seed(0)
-    ours = tiny().to(device="cuda", dtype=dtype)
-    ref = copy.deepcopy(ours)
-    opt = socompile.AdamW(ours.parameters(), max_grad_norm=clip, **HYP)
-    rparams = list(ref.parameters())
-    masters = [p.detach().float().clone().requires_grad_() for p in rparams]
-    ref_opt = torch.optim.AdamW(masters, **HYP)
-    backend = socompile.SuperOffload({"compute": compute, "gpu_buckets": 0, "bucket_size": "256KB", **options})
-    cmodel = torch.compile(ours, backend=backend)
-    for x, y in batches(steps):
-        x, y = x.cuda(), y.cuda()
-        lm_loss(cmodel(x).float(), y).backward()
-        lm_loss(ref(x).float(), y).backward()
-        for m, p in zip(masters, rparams):
-            m.grad = p.grad.float()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(masters, clip)
-        opt.step()
-        opt.zero_grad()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref.zero_grad()
-        with torch.no_grad():
-            for m, p in zip(masters, rparams):
-                p.copy_(m)
-    torch.cuda.synchronize()
-    return ours, ref, masters, opt, backend
-
-
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["stationary", "mix"])
 def test_cuda_model_trains_like_the_eager_reference(dtype, case):
     # GPU tolerances are looser than the CPU's: cuBLAS and the embedding backward may reduce in another order
     # in the compiled graph than in eager. A stale or missing upload moves ~every weight by ~lr: far outside.
-    ours, ref, masters, opt, backend = cuda_pair(dtype, CASES[case], clip=0.5 if case == "mix" else None)
+    ours, ref, masters, opt, backend = master_ref_pair(CASES[case], clip=0.5 if case == "mix" else None,
+                                                         device="cuda", dtype=dtype)
     assert opt.host_master == "separate"
     for bucket in opt.buckets:
         if bucket.site == "cpu":
@@ -570,7 +543,7 @@ def test_cuda_model_trains_like_the_eager_reference(dtype, case):
 def test_cuda_flow_buckets_free_their_device_storage_and_nothing_recompiles():
     import torch._dynamo
     torch._dynamo.utils.counters.clear()
-    ours, _, _, opt, backend = cuda_pair(torch.bfloat16, dict(weight_mode="flow", prefetch_distance=1), steps=3)
+    ours, _, _, opt, backend = master_ref_pair(dict(weight_mode="flow", prefetch_distance=1), steps=3, device="cuda")
     flow = [b for b in opt.buckets if b.flow]
     assert flow and all(b.weights.untyped_storage().nbytes() == 0 for b in flow)
     assert len(backend.compiled) == 1 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
