@@ -397,19 +397,19 @@ def simulate(plan: Plan, costs: GraphCosts, cost: CostModel, schedule: str = "su
             return bw_ids[i]
         return backward_last
 
-    def reduce_scatter(bk, ready):
-        if world <= 1:
-            return ready
-        nbytes = bk.numel * grad_size * (world - 1) / world
-        comm["zero"] += nbytes
-        return b.add(f"reduce-scatter b{bk.index}", dp_lane, cost.ring_time(nbytes, world), [ready], "comm", nbytes)
-
-    def all_gather(bk, after):
+    def zero_collective(kind, bk, after):
+        """A ZeRO ring collective of one bucket (each rank sends (world - 1) / world of it), after ``after``."""
         if world <= 1:
             return after
         nbytes = bk.numel * grad_size * (world - 1) / world
         comm["zero"] += nbytes
-        return b.add(f"all-gather b{bk.index}", dp_lane, cost.ring_time(nbytes, world), [after], "comm", nbytes)
+        return b.add(f"{kind} b{bk.index}", dp_lane, cost.ring_time(nbytes, world), [after], "comm", nbytes)
+
+    def reduce_scatter(bk, ready):
+        return zero_collective("reduce-scatter", bk, ready)
+
+    def all_gather(bk, after):
+        return zero_collective("all-gather", bk, after)
 
     native = grad_size
     for bk in buckets:
