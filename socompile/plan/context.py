@@ -1,0 +1,66 @@
+"""What the planner's decisions share: the planning context, PlanError and small helpers over it (device
+memory of a bucket placement, buckets that can stream). planner.py and activation_policy.py import these."""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+from ..capture.ir import IR
+from ..options import Options
+from .analysis import GraphCosts
+from .cost import CostModel
+from .hardware import HardwareProfile
+from .memory import MemoryEstimate, device_memory
+
+HOST_HEADROOM = 0.90      # fraction of host memory the plan may use (the OS, the data loader, Python)
+
+
+class PlanError(ValueError):
+    """No plan fits; the message names the minimum memory and what to change."""
+
+
+def _dtype_name(nbytes: int) -> str:
+    return "bfloat16" if nbytes == 2 else "float32"
+
+
+@dataclasses.dataclass
+class _Context:
+    ir: IR
+    hw: HardwareProfile
+    options: Options
+    cost: CostModel
+    costs: GraphCosts
+    weight_bytes: int
+    budget: float
+    unoptimized_numel: int
+    activations: float
+    activations_expr: object
+    world: int = 1
+    dp: int = 1
+    sp: int = 1
+    choices: tuple = ()            # Plan.activations being planned for
+    pinned_choices: tuple | None = None   # per-layer choices given by the caller (plan(..., activations=...))
+    offloaded_bytes: float = 0.0   # host bytes of offloaded layers' saved tensors (pinned)
+
+
+def _device(ctx: _Context, buckets) -> MemoryEstimate:
+    return device_memory(buckets, ctx.weight_bytes, ctx.activations, ctx.activations_expr, ctx.unoptimized_numel,
+                         world=ctx.world)
+
+
+def _compact_buckets(ctx: _Context, buckets) -> set[int]:
+    """Buckets whose uses (forward and backward) contain no other bucket's first use: only these can stream
+    through a ring of buffers (a tied embedding read at both ends of the forward would pin its buffer)."""
+    ok = {b.index for b in buckets}
+    for uses in (ctx.costs.fw_uses, ctx.costs.bw_uses):
+        spans = []
+        for b in buckets:
+            found = [uses[p] for p in b.params if p in uses]
+            if found:
+                spans.append((min(f[0] for f in found), max(f[1] for f in found), b.index))
+        firsts = sorted(s[0] for s in spans)
+        for first, last, idx in spans:
+            inside = bisect.bisect_right(firsts, last) - bisect.bisect_right(firsts, first)
+            if inside:
+                ok.discard(idx)
+    return ok
