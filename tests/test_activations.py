@@ -1,4 +1,5 @@
-"""Per-layer activations: keep, recompute (activation checkpointing) or offload to host memory (passes/activations.py).
+"""Per-layer activations: keep, recompute (activation checkpointing), selective (recompute all but attention) or
+offload to host memory (passes/activations.py), and the planner's choice between them at long sequences.
 
 Tolerances. Recompute runs the same aten ops on the same inputs in backward, and offload copies saved tensors
 out and back exactly, so with compute="eager" every choice trains bitwise like the compiled 'keep' run; against
@@ -6,6 +7,7 @@ eager torch.optim.AdamW the existing tolerance of test_backend_training.py holds
 Inductor, recomputed ops are fused into the backward kernels differently, so that case is compared with eager
 at the Inductor tolerance of test_backend_training.py (5e-5).
 """
+import operator
 import re
 import threading
 import weakref
@@ -81,7 +83,7 @@ def _layer_outputs(fw, bw, layers):
     return out
 
 
-@pytest.mark.parametrize("choice", ["recompute", "offload", "mix"])
+@pytest.mark.parametrize("choice", ["recompute", "selective", "offload", "mix"])
 def test_each_choice_trains_like_eager_and_bitwise_like_keep(choice, keep_run):
     ours, ref, backend, _ = _train(choice)
     plan = backend.compiled[0].plan
@@ -217,6 +219,82 @@ def test_recompute_without_a_socompile_optimizer_trains_like_eager():
             o.zero_grad()
     assert backend.compiled[0].activation_recomputed
     assert_same_params(model, ref, atol=0, rtol=0)     # same ops, same torch optimizer: bitwise
+
+
+def _attention_outputs(fw):
+    """Forward nodes that are outputs (getitem) of an attention kernel."""
+    return {n for n in fw.graph.nodes if n.target is operator.getitem and activations._is_attention(n.args[0])}
+
+
+def test_selective_saves_inputs_and_attention_outputs_and_recomputes_the_rest_but_attention():
+    runs = {}
+    for choice in ("keep", "recompute", "selective"):
+        model, opt, backend, cmodel = _compiled(choice)
+        x, y = batches(1)[0]
+        out, acts, device_bytes, _ = _saved(cmodel, x)
+        lm_loss(out, y).backward()
+        ctx = backend.compiled[0]
+        by_layer = _layer_outputs(ctx.forward_graph, ctx.backward_graph, ["layers.0", "layers.1"])
+        bw = ctx.backward_graph.graph.nodes
+        runs[choice] = dict(n=len(acts), bytes=device_bytes, by_layer=by_layer, ctx=ctx,
+                            mm=sum(1 for n in bw if n.target is torch.ops.aten.mm.default),
+                            attn=sum(1 for n in bw if activations._is_attention(n)
+                                     and "backward" not in str(n.target)),
+                            rng=sum(1 for n in bw if "run_with_rng_state" in str(n.target)))
+    keep, rec, sel = runs["keep"], runs["recompute"], runs["selective"]
+    assert rec["bytes"] < sel["bytes"] < keep["bytes"]      # measured: 175 KB < 322 KB < 1.28 MB
+    # per layer: its output (the next layer's input) and the attention kernel's outputs (out, logsumexp)
+    attn_out = _attention_outputs(sel["ctx"].forward_graph)
+    for layer in ("layers.0", "layers.1"):
+        saved = sel["by_layer"][layer]
+        assert len(saved) == 3 and sum(n in attn_out for n in saved) == 2
+        assert (2, 32, 128) in [tuple(n.meta["val"].shape) for n in saved if n not in attn_out]
+    nbytes = lambda n: n.meta["val"].numel() * n.meta["val"].element_size()  # noqa: E731
+    # selective = recompute + the attention outputs - the generator state recompute saves to redo attention
+    rng = [n for n in rec["ctx"].backward_graph.graph.nodes if n.op == "placeholder" and "rng_state" in n.name]
+    assert len(rng) == 2
+    assert sel["bytes"] - rec["bytes"] == sum(nbytes(n) for layer in ("layers.0", "layers.1")
+                                              for n in sel["by_layer"][layer] if n in attn_out) - \
+        sum(nbytes(n) for n in rng)
+    # the projections run again (6 matmuls per layer, as for recompute), the attention kernel does not
+    assert sel["mm"] == rec["mm"] == keep["mm"] + 2 * 6
+    assert keep["attn"] == sel["attn"] == 0 and rec["attn"] + rec["rng"] >= 2
+    assert sel["ctx"].plan.activations == (("layers.0", "selective"), ("layers.1", "selective"))
+    assert sel["ctx"].plan.prediction("activations_selective_layers") == 2
+
+
+# ---------------------------------------------------------------------------------------------- planner
+def test_at_long_sequence_auto_keeps_attention_outputs_and_beats_full_recompute():
+    """The tiny preset at 16384 tokens (attention is half of a layer's forward), with a device budget that
+    fits every layer's input and attention outputs but not one kept layer: auto picks selective for every
+    layer, predicts less memory than keep and less step time than full recompute (the simulator re-runs each
+    layer's forward less its attention)."""
+    from test_plan_activations import long_ir
+    from test_plan_helpers import options, profile
+    from socompile.plan.planner import plan_with_details
+    ir = long_ir()
+    forced = {c: plan_with_details(ir, profile(), options(activations=c, gpu_buckets=0))
+              for c in ("keep", "recompute", "selective")}
+    layers = forced["keep"].costs.layers
+    assert all(0 < lc.attention_time < lc.fw_time and lc.attention_saved > 0 for lc in layers)
+    act = {c: d.plan.prediction("activations_bytes") for c, d in forced.items()}
+    assert act["recompute"] < act["selective"] < act["keep"]
+    # the policy budgets activations beside every weight streamed (flow buffers: a little more than this plan's
+    # fixed part), so one layer's attention outputs of slack; a kept layer would need ~16 of them
+    att = layers[0].attention_saved
+    fixed = forced["selective"].plan.prediction("device_peak_bytes") - act["selective"]
+    budget = int(fixed + act["selective"] + att)
+    auto = plan_with_details(ir, profile(), options(gpu_buckets=0, device_memory_budget=budget))
+    assert dict(auto.plan.activations) == {lc.name: "selective" for lc in layers}
+    assert any(line.startswith("activations: keep 0 of 4 (-), selective 4") for line in auto.plan.decisions)
+    step = {c: d.simulation.step_time for c, d in forced.items()}
+    assert auto.simulation.step_time == pytest.approx(step["selective"])
+    assert step["keep"] < step["selective"] < step["recompute"]
+    assert step["recompute"] - step["selective"] == pytest.approx(sum(lc.attention_time for lc in layers), rel=0.05)
+    # two layers' attention outputs less: the others fall back to full recompute, the step time in between
+    tight = plan_with_details(ir, profile(), options(gpu_buckets=0, device_memory_budget=int(budget - 2 * att)))
+    assert set(dict(tight.plan.activations).values()) == {"selective", "recompute"}
+    assert step["selective"] < tight.simulation.step_time < step["recompute"]
 
 
 # ---------------------------------------------------------------------------------------------- runtime

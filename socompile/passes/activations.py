@@ -1,12 +1,16 @@
-"""Activations per layer: keep, recompute (activation checkpointing) or offload to host memory, as planned
-(``Plan.activations``: layer group such as "layers.3" -> "keep" | "recompute" | "offload").
+"""Activations per layer: keep, recompute (activation checkpointing), selective (recompute all but attention)
+or offload to host memory, as planned (``Plan.activations``: layer group such as "layers.3" -> "keep" |
+"recompute" | "selective" | "offload").
 
 **recompute** is applied at partition time (``repartition``, called by backend._apply_plan right after the first
 plan): the forward nodes of each such layer in the joint graph are tagged the way torch's selective activation
 checkpointing tags them (``meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE``, ``meta["ac_graph_id"]`` one per
 layer), the layer's outputs to the rest of the forward are tagged ``MUST_SAVE`` (they are the next layer's
 input, the one tensor a checkpointed layer keeps), random ops are tagged ``MUST_SAVE`` (recomputing them would
-draw new numbers), and the stock min-cut partitioner runs again; it honours the tags. The IR is rebuilt from
+draw new numbers), and the stock min-cut partitioner runs again; it honours the tags. **selective** is the
+same with the layer's attention kernels (SDPA / flash attention) and their outputs (out, logsumexp, RNG state:
+what the attention backward reads besides q, k, v) also tagged ``MUST_SAVE``: the backward recomputes the
+projections, norms, rotary and MLP from the layer's input, never the attention itself. The IR is rebuilt from
 the new graphs and the plan is made again with the first plan's activation choices pinned, so every node the
 plan names (bucket ``ready_after``, flow anchors) is a node of the graphs that run.
 
@@ -51,7 +55,7 @@ FW_NAME = "activation_offload_forward"
 BW_NAME = "activation_offload_backward"
 RECOMPUTE_NAME = "activation_recompute"   # the name its before/after dumps carry (applied at partition time)
 PREFETCH_AHEAD = 1                         # offloaded layers fetched ahead of the one the backward is in
-CHOICES = ("keep", "recompute", "offload")
+CHOICES = ("keep", "recompute", "selective", "offload")
 
 _override: dict[str, str] | None = None
 
@@ -124,8 +128,15 @@ def _is_random(node: fx.Node) -> bool:
     return True
 
 
-def tag_recompute(joint: fx.GraphModule, layers: list[str]) -> dict[str, int]:
-    """Tag the forward nodes of ``layers`` in the joint graph for recomputation; returns nodes tagged per layer."""
+def _is_attention(node: fx.Node) -> bool:
+    """An attention kernel (SDPA, flash / efficient / cuDNN attention; the cost model's 'attention' class)."""
+    from ..plan.cost import op_class
+    return isinstance(node.target, torch._ops.OpOverload) and op_class(str(node.target), False) == "attention"
+
+
+def tag_recompute(joint: fx.GraphModule, layers: list[str], selective=()) -> dict[str, int]:
+    """Tag the forward nodes of ``layers`` in the joint graph for recomputation; returns nodes tagged per layer.
+    Layers in ``selective`` (a subset of ``layers``) keep their attention kernels' outputs (MUST_SAVE)."""
     from torch.utils.checkpoint import CheckpointPolicy
     backward = _tangent_closure(joint.graph)
     graph_id: dict[str, int] = {}
@@ -141,7 +152,7 @@ def tag_recompute(joint: fx.GraphModule, layers: list[str]) -> dict[str, int]:
     # the layer's outputs to the rest of the forward (the next layer's input: what a checkpointed layer keeps).
     save: set[fx.Node] = set()
     for node, layer in owner.items():
-        if _is_random(node):
+        if _is_random(node) or (layer in selective and _is_attention(node)):
             save.add(node)
             save.update(u for u in node.users if u.target is operator.getitem and u not in backward)
         if any(u not in backward and u.op != "output" and owner.get(u) != layer for u in node.users):
@@ -180,14 +191,15 @@ def repartition(ctx, fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[fx.GraphMo
     if offload and (ctx.optimizer is None or not ctx.plan.buckets):
         log.warning("socompile: layers %s are planned to offload their activations, but the passes run only for "
                     "parameters of a socompile.AdamW; their activations are kept", ", ".join(offload))
-    recompute = [layer for layer, choice in choices if choice == "recompute"]
+    recompute = [layer for layer, choice in choices if choice in ("recompute", "selective")]
+    selective = {layer for layer, choice in choices if choice == "selective"}
     if not recompute:
         return fw, bw
     if repartition_fn is None:
         log.warning("socompile: layers %s are planned to recompute their activations but this compile has no "
                     "joint graph to partition again; their activations are kept", ", ".join(recompute))
         return fw, bw
-    counts = tag_recompute(repartition_fn.joint, recompute)
+    counts = tag_recompute(repartition_fn.joint, recompute, selective)
     before_fw, before_bw = fw.code, bw.code
     fw, bw = repartition_fn()
     from ..capture import build_ir, describe
@@ -199,8 +211,8 @@ def repartition(ctx, fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[fx.GraphMo
     ctx.record_dump("fw", RECOMPUTE_NAME, before_fw, fw.code, fw)
     ctx.record_dump("bw", RECOMPUTE_NAME, before_bw, bw.code, bw)
     ctx.activation_recomputed = counts
-    log.info("socompile: recompute activations of %d layer(s) in backward (%d forward nodes tagged)",
-             len(recompute), sum(counts.values()))
+    log.info("socompile: recompute activations of %d layer(s) in backward (%d selective: attention kept; %d "
+             "forward nodes tagged)", len(recompute), len(selective), sum(counts.values()))
     return fw, bw
 
 

@@ -1,6 +1,7 @@
-"""Decision 3 of the planner: per repeated layer, keep, recompute or offload its saved activations
-(docs/planner.md, docs/activations.md). ``_activation_policy`` sets ``ctx.choices``, ``ctx.activations`` and
-``ctx.offloaded_bytes`` and writes its decision line."""
+"""Decision 3 of the planner: per repeated layer, keep, recompute (the whole layer, or "selective": all but its
+attention kernels, whose outputs are kept) or offload its saved activations (docs/planner.md,
+docs/activations.md). ``_activation_policy`` sets ``ctx.choices``, ``ctx.activations`` and ``ctx.offloaded_bytes``
+and writes its decision line."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,24 +11,29 @@ import sympy
 from .context import HOST_HEADROOM, PlanError, _compact_buckets, _Context, _device, _dtype_name
 from .hardware import GB
 from .memory import host_memory
+from .plan import ACTIVATION_CHOICES
 
 
 def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
-    """Per repeated layer: keep, recompute or offload its saved activations (sets ctx.choices, ctx.activations,
-    ctx.offloaded_bytes; returns Plan.recompute).
+    """Per repeated layer: keep, recompute, selective or offload its saved activations (sets ctx.choices,
+    ctx.activations, ctx.offloaded_bytes; returns Plan.recompute).
 
-    Memory (per rank): activations = peak - sum(saved of non-kept layers) + sum(input of recomputed layers)
-    + the largest non-kept layer's saved tensors (live while it is recomputed or used) + the largest offloaded
-    layer's again (a window of two: one in use, the next one in flight). Cost: recompute = the layer's forward
-    (and its all-to-alls under Ulysses) again in backward; offload = the link time not hidden by the compute it
-    overlaps (the next layer's forward for the copy out, the previous backward for the copy in), host memory
-    (pinned) for its saved tensors. 'auto': keep the most layers that fit (the last ones: their backward comes
-    first), then offload where it is cheaper than recompute and host memory allows, recompute the rest."""
+    Memory (per rank): activations = peak - sum(saved of non-kept layers) + sum(input of recomputed and
+    selective layers) + sum(attention outputs of selective layers) + the largest non-kept layer's saved tensors
+    (live while it is recomputed or used) + the largest offloaded layer's again (a window of two: one in use,
+    the next one in flight). Cost: recompute = the layer's forward (and its all-to-alls under Ulysses) again in
+    backward; selective = the same less its attention kernels (their outputs are kept: at long sequences
+    attention is most of a layer's forward and its outputs are about one layer input); offload = the link time
+    not hidden by the compute it overlaps (the next layer's forward for the copy out, the previous backward for
+    the copy in), host memory (pinned) for its saved tensors. 'auto': for each number of kept layers (the last
+    ones: their backward comes first), the most offloads that fit where offload is cheaper than recompute, then
+    recomputed layers made selective while the device holds their attention outputs (most time saved per byte
+    first); of these candidates the one with the least recompute/offload time wins (ties: more layers kept)."""
     costs, cost = ctx.costs, ctx.cost
     layers = list(costs.layers)
     forced = ctx.options.activations
     if not layers:
-        if forced in ("recompute", "offload"):
+        if forced in ("recompute", "selective", "offload"):
             decisions.append(f"activations: {forced} requested but the graph has no repeated layers; kept")
         return "none"
     # The least the rest of the plan can take: every bucket on the CPU, every bucket that can stream (uses in
@@ -48,6 +54,9 @@ def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
             sent = sum(b for pos, b in zip(costs.fw_attention, per) if lc.fw_span[0] <= pos < lc.fw_span[1])
             a2a[lc.name] = float(cost.all_to_all_time(sent, ctx.sp))
     rec_cost = {lc.name: lc.fw_time + a2a.get(lc.name, 0.0) for lc in layers}
+    # Selective re-runs the layer's forward but its attention kernels; under Ulysses both all-to-alls again
+    # (q, k, v in head layout for the attention backward; the output in sequence layout for w_o's backward).
+    sel_cost = {lc.name: max(0.0, lc.fw_time - lc.attention_time) + a2a.get(lc.name, 0.0) for lc in layers}
     off_cost, link = {}, {}
     for i, lc in enumerate(layers):
         out_t = float(cost.transfer_time(lc.saved, "d2h"))
@@ -71,31 +80,64 @@ def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
                 choice[lc.name] = "recompute"
         return choice
 
+    def upgrade(choice: dict[str, str], headroom: float) -> dict[str, str]:
+        """Recomputed layers made selective, most time saved per byte kept first, while ``headroom`` (device
+        bytes) holds their attention outputs (each adds exactly its attention outputs to both moments of
+        _activation_bytes)."""
+        gain = {lc.name: rec_cost[lc.name] - sel_cost[lc.name] for lc in layers}
+        candidates = sorted((lc for lc in layers if choice[lc.name] == "recompute" and gain[lc.name] > 0),
+                            key=lambda lc: (-gain[lc.name] / max(lc.attention_saved, 1.0), layers.index(lc)))
+        out = dict(choice)
+        for lc in candidates:
+            if lc.attention_saved <= headroom:
+                out[lc.name] = "selective"
+                headroom -= lc.attention_saved
+        return out
+
+    def spent(choice: dict[str, str]) -> float:
+        """Seconds the choice adds to the step (the policy's estimate)."""
+        per = {"keep": lambda name: 0.0, "recompute": rec_cost.__getitem__, "selective": sel_cost.__getitem__,
+               "offload": off_cost.__getitem__}
+        return sum(per[c](name) for name, c in choice.items())
+
+    max_offloads = sum(1 for _ in _prefix_within(sorted(lc.saved for lc in layers), room))
+
+    def lower_bound(n_keep: int) -> float:
+        """No choice with n_keep kept layers spends less: every other layer at its cheapest, offloads (the
+        largest gains) limited by what host memory can hold. Grows as n_keep falls."""
+        cheap = [min(rec_cost[lc.name], sel_cost[lc.name]) for lc in layers[:n - n_keep]]
+        gains = sorted((max(0.0, c - off_cost[lc.name]) for c, lc in zip(cheap, layers)), reverse=True)
+        return sum(cheap) - sum(gains[:max_offloads])
+
     if ctx.pinned_choices is not None:
         given = dict(ctx.pinned_choices)
         unknown = sorted(set(given) - {lc.name for lc in layers})
-        bad = {k: v for k, v in given.items() if v not in ("keep", "recompute", "offload")}
+        bad = {k: v for k, v in given.items() if v not in ACTIVATION_CHOICES}
         if unknown or bad:
             raise PlanError(f"pinned activation choices name unknown layers {unknown} or choices {bad}; layers: "
-                            f"{_names_text([lc.name for lc in layers])}, choices keep/recompute/offload")
+                            f"{_names_text([lc.name for lc in layers])}, choices {'/'.join(ACTIVATION_CHOICES)}")
         chosen = {lc.name: given.get(lc.name, "keep") for lc in layers}
         forced = "pinned"
     elif forced == "auto":
         chosen = {lc.name: "keep" for lc in layers}
         if _activation_bytes(ctx, chosen)[0] > available:
             # Most layers kept first; for each count, the most offloads that still fit (an offloaded layer
-            # frees its input but the two-layer window costs device memory once, so fewer may fit better).
-            found = None
+            # frees its input but the two-layer window costs device memory once, so fewer may fit better), then
+            # selective layers in the room left. The cheapest candidate wins; stop once no fewer keeps can win.
+            found, best = None, 0.0
             for n_keep in range(n - 1, -1, -1):
+                if found is not None and lower_bound(n_keep) >= best:
+                    break
                 for max_offload in range(n - n_keep, -1, -1):
                     trial = assign(n_keep, max_offload)
-                    if _activation_bytes(ctx, trial)[0] <= available:
-                        found = trial
+                    need = _activation_bytes(ctx, trial)[0]
+                    if need <= available:
+                        trial = upgrade(trial, available - need)
+                        if found is None or spent(trial) < best:
+                            found, best = trial, spent(trial)
                         break
                     if "offload" not in trial.values():
                         break
-                if found:
-                    break
             chosen = found or assign(0, 0)
             if _activation_bytes(ctx, chosen)[0] >= costs.activation_peak:   # checkpointing saves nothing
                 chosen = {lc.name: "keep" for lc in layers}
@@ -115,31 +157,51 @@ def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
         return "none"
     ctx.activations, ctx.activations_expr, ctx.offloaded_bytes = act, expr, offloaded
     ctx.choices = tuple((lc.name, chosen[lc.name]) for lc in layers)
-    decisions.append(_activation_line(ctx, layers, chosen, rec_cost, off_cost, link, available, room, forced))
+    decisions.append(_activation_line(ctx, layers, chosen, rec_cost, sel_cost, off_cost, link, available, room,
+                                      forced))
     return "layers"
+
+
+def _prefix_within(sizes: list[float], limit: float):
+    """The leading items of ``sizes`` whose running sum stays within ``limit``."""
+    total = 0.0
+    for s in sizes:
+        total += s
+        if total > limit:
+            return
+        yield s
 
 
 def _activation_bytes(ctx: _Context, chosen: dict[str, str]) -> tuple[float, object, float]:
     """(device activation bytes, the same as a formula, host bytes offloaded) of a per-layer choice: the larger
     of two moments.
     - at the keep-everything peak (usually the loss backward): peak - saved of non-kept layers + inputs of
-      recomputed layers (+ the first offloaded layer coming back);
+      recomputed and selective layers + attention outputs of selective layers (+ the first offloaded layer
+      coming back);
     - during a non-kept layer's backward: saved tensors still kept (kept layers, tensors outside the layers)
-      + inputs of recomputed layers + that layer's saved tensors (recomputed or fetched) + the next offloaded
-      layer in flight + two layer-input-sized activation gradients."""
+      + inputs of recomputed and selective layers + attention outputs of selective layers + that layer's saved
+      tensors (recomputed or fetched; a selective layer's attention outputs are already counted) + the next
+      offloaded layer in flight + two layer-input-sized activation gradients."""
     costs = ctx.costs
     nonkeep = [lc for lc in costs.layers if chosen.get(lc.name, "keep") != "keep"]
     if not nonkeep:
         return costs.activation_peak, costs.activation_peak_expr, 0.0
-    recomputed = [lc for lc in nonkeep if chosen[lc.name] == "recompute"]
+    recomputed = [lc for lc in nonkeep if chosen[lc.name] in ("recompute", "selective")]
+    selective = [lc for lc in nonkeep if chosen[lc.name] == "selective"]
     offloaded = [lc for lc in nonkeep if chosen[lc.name] == "offload"]
-    biggest = max(nonkeep, key=lambda lc: lc.saved)
+
+    def rebuilt(lc):   # what a non-kept layer's backward brings back beyond what stays saved
+        return lc.saved - lc.attention_saved if chosen[lc.name] == "selective" else lc.saved
+
+    biggest = max(nonkeep, key=rebuilt)
     in_flight = [max(offloaded, key=lambda lc: lc.saved)] if offloaded else []
     widest = max(costs.layers, key=lambda lc: lc.boundary)
     common = [-lc.saved_expr for lc in nonkeep] + [lc.boundary_expr for lc in recomputed] + \
-        [lc.saved_expr for lc in in_flight]
+        [lc.attention_saved_expr for lc in selective] + [lc.saved_expr for lc in in_flight]
     at_peak = [costs.activation_peak_expr] + common
-    in_layer = [costs.saved_expr] + common + [biggest.saved_expr, 2 * widest.boundary_expr]
+    extra = biggest.saved_expr - biggest.attention_saved_expr if chosen[biggest.name] == "selective" \
+        else biggest.saved_expr
+    in_layer = [costs.saved_expr] + common + [extra, 2 * widest.boundary_expr]
 
     def value(terms):
         return sum(ctx.cost.value(t) if not isinstance(t, (int, float)) else t for t in terms)
@@ -183,8 +245,8 @@ def _names_text(names: list[str]) -> str:
     return f"{prefix}." + ",".join(runs)
 
 
-def _activation_line(ctx, layers, chosen, rec_cost, off_cost, link, available, room, forced) -> str:
-    groups = {c: [lc for lc in layers if chosen[lc.name] == c] for c in ("keep", "offload", "recompute")}
+def _activation_line(ctx, layers, chosen, rec_cost, sel_cost, off_cost, link, available, room, forced) -> str:
+    groups = {c: [lc for lc in layers if chosen[lc.name] == c] for c in ("keep", "offload", "selective", "recompute")}
     parts = [f"keep {len(groups['keep'])} of {len(layers)} ({_names_text([lc.name for lc in groups['keep']])})"]
     if groups["offload"]:
         lc = max(groups["offload"], key=lambda x: x.saved)
@@ -194,6 +256,13 @@ def _activation_line(ctx, layers, chosen, rec_cost, off_cost, link, available, r
                      f"{hide_fw * 1e3:.1f} ms of forward, {in_t * 1e3:.1f} ms in under {hide_bw * 1e3:.1f} ms of "
                      f"backward: {off_cost[lc.name] * 1e3:.1f} ms exposed vs {rec_cost[lc.name] * 1e3:.1f} ms to "
                      f"recompute; {ctx.offloaded_bytes / GB:.1f} GB pinned host memory of {room / GB:.1f} GB free)")
+    if groups["selective"]:
+        lc = groups["selective"][0]
+        parts.append(f"selective {len(groups['selective'])} ({_names_text([x.name for x in groups['selective']])}: "
+                     f"+{sel_cost[lc.name] * 1e3:.1f} ms each in backward instead of {rec_cost[lc.name] * 1e3:.1f} ms "
+                     f"(attention {lc.attention_time * 1e3:.1f} ms not re-run), keeps "
+                     f"{(lc.boundary + lc.attention_saved) / GB:.2f} GB: input and attention outputs"
+                     f"{'; options.activations=' + repr(forced) if forced == 'selective' else ''})")
     if groups["recompute"]:
         lc = groups["recompute"][0]
         why = ("options.activations='recompute'" if forced == "recompute" else
@@ -202,6 +271,8 @@ def _activation_line(ctx, layers, chosen, rec_cost, off_cost, link, available, r
                f"offload is cheaper but its two-layer window ({2 * lc.saved / GB:.1f} GB) does not fit the device "
                f"beside the other layers' inputs" if off_cost[lc.name] < rec_cost[lc.name] else
                f"offload would expose {off_cost[lc.name] * 1e3:.1f} ms > {rec_cost[lc.name] * 1e3:.1f} ms")
+        if forced == "auto" and sel_cost[lc.name] < rec_cost[lc.name]:
+            why += (f"; selective would keep {lc.attention_saved / GB:.2f} GB more per layer, which does not fit")
         parts.append(f"recompute {len(groups['recompute'])} ({_names_text([x.name for x in groups['recompute']])}: "
                      f"+{rec_cost[lc.name] * 1e3:.1f} ms each in backward, keeps {lc.boundary / GB:.2f} GB input; "
                      f"{why})")

@@ -44,6 +44,9 @@ class LayerCosts:
     boundary_expr: object
     fw_time: float               # seconds of its forward (the recompute cost)
     bw_time: float               # seconds of the backward nodes in bw_span (hides its offload traffic)
+    attention_time: float = 0.0  # seconds of its attention kernels in forward (not re-run by "selective")
+    attention_saved: float = 0.0  # bytes of its saved attention outputs (out, logsumexp: kept by "selective")
+    attention_saved_expr: object = 0
 
 
 @dataclasses.dataclass
@@ -147,7 +150,9 @@ def analyze(ir: IR, cost: CostModel, token_shard: int = 1) -> GraphCosts:
         peak, peak_expr = peak / shard, _scaled(peak_expr, shard)
         saved_expr, ckpt_expr, layer_max_expr = (_scaled(e, shard) for e in (saved_expr, ckpt_expr, layer_max_expr))
         layers = [dataclasses.replace(lc, saved=lc.saved / shard, saved_expr=_scaled(lc.saved_expr, shard),
-                                      boundary=lc.boundary / shard, boundary_expr=_scaled(lc.boundary_expr, shard))
+                                      boundary=lc.boundary / shard, boundary_expr=_scaled(lc.boundary_expr, shard),
+                                      attention_saved=lc.attention_saved / shard,
+                                      attention_saved_expr=_scaled(lc.attention_saved_expr, shard))
                   for lc in layers]
     attention = {ph: tuple(i for i, k in enumerate(order) if nodes[k]["kind"] == "call_function"
                            and op_class(nodes[k]["op"], nodes[k].get("is_view", False)) == "attention")
@@ -259,6 +264,13 @@ def _checkpoint_estimate(ir: IR, cost: CostModel, saved_roots: list[str], fw_tim
     not_in_layers = _sum(g.nodes[r]["bytes"] for r in saved_roots
                          if group_of_pos[position[r]] not in boundary)
     kept = _sum([not_in_layers, *boundary.values()])
+    def is_attention(key):
+        data = g.nodes[key]
+        return data["kind"] == "call_function" and op_class(data["op"], data.get("is_view", False)) == "attention"
+
+    # Saved outputs of attention kernels (out, logsumexp, RNG state: what the attention backward reads besides
+    # q, k, v): the tuple's items are getitem nodes of the kernel.
+    attention_out = {r for r in saved_roots if any(is_attention(p) for p in g.predecessors(r))}
     layers = []
     n_fw = len(ir.fw_order)
     bw_prefix = [0.0]
@@ -271,8 +283,12 @@ def _checkpoint_estimate(ir: IR, cost: CostModel, saved_roots: list[str], fw_tim
         lasts = [last_use[r] - n_fw for r in roots if last_use and r in last_use]
         bw_span = (min(firsts), max(lasts) + 1) if firsts and lasts else (0, 0)
         bw_time = bw_prefix[bw_span[1]] - bw_prefix[bw_span[0]] if bw_times else 0.0
+        attn_expr = _sum(g.nodes[r]["bytes"] for r in roots if r in attention_out)
+        attn_time = sum(fw_times[i] for i in spots if is_attention(ir.fw_order[i]))
         layers.append(LayerCosts(name=name, fw_span=(min(spots), max(spots) + 1), bw_span=bw_span,
                                  saved=cost.value(saved_per_layer.get(name, 0)),
                                  saved_expr=saved_per_layer.get(name, 0), boundary=cost.value(boundary[name]),
-                                 boundary_expr=boundary[name], fw_time=layer_time.get(name, 0.0), bw_time=bw_time))
+                                 boundary_expr=boundary[name], fw_time=layer_time.get(name, 0.0), bw_time=bw_time,
+                                 attention_time=attn_time, attention_saved=cost.value(attn_expr),
+                                 attention_saved_expr=attn_expr))
     return kept, saved_per_layer, sum(layer_time.values()), layers

@@ -29,7 +29,8 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                         help="training dtype of weights and activations on the target (default bfloat16)")
     parser.add_argument("--formulas", action="store_true",
                         help="trace batch and seq symbolically so memory is reported as formulas (slower trace)")
-    parser.add_argument("--activations", default=None, choices=("auto", "keep", "recompute", "offload"),
+    parser.add_argument("--activations", default=None,
+                        choices=("auto", "keep", "recompute", "selective", "offload"),
                         help="per-layer activation policy (default auto: keep what fits, offload or recompute the rest)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel degree (ZeRO over dp x sp ranks)")
     parser.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree (--seq is the whole "

@@ -9,6 +9,10 @@ import json
 from typing import Any
 
 
+# Per-layer activation choices (Plan.activations; passes/activations.py applies them).
+ACTIVATION_CHOICES = ("keep", "recompute", "selective", "offload")
+
+
 @dataclasses.dataclass(frozen=True)
 class BucketPlan:
     index: int
@@ -41,7 +45,8 @@ class Plan:
     decisions: tuple[str, ...] = ()   # one line per decision, with its reason (reports)
     # Per repeated layer group ("layers.3"): what happens to its saved activations between forward and backward:
     # "keep" (stay on the device), "recompute" (activation checkpointing: keep the layer's input, recompute
-    # the rest in backward) or "offload" (saved tensors go to host memory in forward and come back in backward).
+    # the rest in backward), "selective" (keep the input and the attention kernels' outputs, recompute the rest)
+    # or "offload" (saved tensors go to host memory in forward and come back in backward).
     # Empty: keep everything. passes/activations.py applies it.
     activations: tuple[tuple[str, str], ...] = ()
 

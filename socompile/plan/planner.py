@@ -7,8 +7,9 @@ Decisions, in this order (each reads the cost model; docs/planner.md explains th
    cast on the GPU when ``4n/link < 2n/link + 2n/cpu_adam_bw`` (C2C), else are cast on the CPU (PCIe).
 0. Parallel degrees (options.dp_degree, options.sp_degree): per-rank costs (token work and activations / sp,
    ZeRO-sharded optimizer state / (dp*sp)); collectives are simulated on the profile's interconnect.
-3. Activations per repeated layer (keep / recompute / offload, ``activation_policy.py``): keep what fits, offload
-   where the link hides under compute and host memory allows, recompute the rest.
+3. Activations per repeated layer (keep / recompute / selective / offload, ``activation_policy.py``): keep what
+   fits, offload where the link hides under compute and host memory allows, recompute the rest (all but the
+   attention kernels where the device holds their outputs, "selective"), the cheapest such mix.
 4. GPU-resident buckets and weight flow, jointly: for each candidate count K of GPU-resident buckets (the last
    K, whose gradients arrive last), make memory fit by streaming the CPU buckets whose transfers hide best
    (``t_compute(reads) / t_transfer`` highest first), give each flow bucket the prefetch distance that hides its
@@ -136,7 +137,7 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
     buckets, host_total, host_pinned, host_parts = _rollback_modes(ctx, buckets, decisions)
     names = ctx.ir.symbol_names
     zero = simulate(_plan_of(ctx, buckets, recompute, ()), costs, cost, "zero-offload")
-    counts = {c: sum(1 for _, x in ctx.choices if x == c) for c in ("recompute", "offload")}
+    counts = {c: sum(1 for _, x in ctx.choices if x == c) for c in ("recompute", "selective", "offload")}
     predicted = (
         ("shapes", tuple(sorted((names.get(k, k), v) for k, v in cost.symbol_values.items()))),
         ("param_dtype_bytes", weight_bytes),
@@ -147,8 +148,9 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
         ("device_parts", tuple((k, int(v)) for k, v in memory.device_parts)),
         ("activations_bytes", int(ctx.activations)),
         ("activations_formula", _formula(ctx.activations_expr, names)),
-        ("activations_keep_layers", len(costs.layers) - counts["recompute"] - counts["offload"]),
+        ("activations_keep_layers", len(costs.layers) - sum(counts.values())),
         ("activations_recompute_layers", counts["recompute"]),
+        ("activations_selective_layers", counts["selective"]),
         ("activations_offload_layers", counts["offload"]),
         ("activations_offloaded_bytes", int(ctx.offloaded_bytes)),
         ("host_bytes", int(host_total)),

@@ -17,7 +17,8 @@ The same builder replays three schedules on the same work (same graph times, sam
 - ``zero-infinity``: as zero-offload, and every weight streamed from CPU memory before each use (distance 1).
 
 Activations (``Plan.activations``, the same in every schedule): a recomputed layer runs its forward again on
-the GPU just before its backward (and, under Ulysses, its two all-to-alls); an offloaded layer's saved tensors
+the GPU just before its backward (and, under Ulysses, its two all-to-alls); a selective one the same less its
+attention kernels (their outputs were kept); an offloaded layer's saved tensors
 go device->host after its forward and come back host->device before its backward, through a window of two
 layers (the forward of the layer two offloaded layers later waits for the copy; the fetch waits until the
 buffer of the layer two places earlier in backward is free).
@@ -218,7 +219,7 @@ def parallel_degrees(plan: Plan) -> tuple[int, int]:
 
 
 def layer_choices(plan: Plan, costs: GraphCosts) -> dict[str, str]:
-    """Layer -> 'keep' | 'recompute' | 'offload'; a plan that says recompute='layers' without per-layer
+    """Layer -> 'keep' | 'recompute' | 'selective' | 'offload'; a plan that says recompute='layers' without per-layer
     choices (older plans) recomputes every repeated layer."""
     if plan.activations:
         return dict(plan.activations)
@@ -324,12 +325,13 @@ def simulate(plan: Plan, costs: GraphCosts, cost: CostModel, schedule: str = "su
                           [seg_end.get(gate), offload_out.get(lc.name)], "transfer", lc.saved)]
         bw_before.setdefault(lc.bw_span[0], []).append(fetch)
     for lc in layers:
-        if choices[lc.name] != "recompute":
+        if choices[lc.name] not in ("recompute", "selective"):
             continue
         bw_cuts.append(lc.bw_span[0])
 
         def again(prev, lc=lc):
-            rec = b.add(f"recompute {lc.name}", "gpu", lc.fw_time, [prev], "compute")
+            redo = recompute_time(lc, choices[lc.name])
+            rec = b.add(f"recompute {lc.name}", "gpu", redo, [prev], "compute")
             if layer_a2a.get(lc.name):
                 rec = all_to_all(f"recompute a2a {lc.name}", layer_a2a[lc.name], [rec])
             return [rec]
@@ -461,6 +463,16 @@ def simulate(plan: Plan, costs: GraphCosts, cost: CostModel, schedule: str = "su
                      lane_of=[t.lane for t in b.tasks], model_flops=costs.fw_flops + costs.bw_flops,
                      peak_flops=hw.device_bf16_flops, forward_end=end[forward_last], backward_end=end[backward_last],
                      cpu_lanes=lanes, comm_bytes=tuple(sorted(comm.items())) if world > 1 else ())
+
+
+def recompute_time(lc, choice: str) -> float:
+    """Seconds of forward a layer runs again in backward: all of it ("recompute"), all but its attention
+    kernels ("selective": their outputs were kept), nothing otherwise."""
+    if choice == "recompute":
+        return lc.fw_time
+    if choice == "selective":
+        return max(0.0, lc.fw_time - lc.attention_time)
+    return 0.0
 
 
 def _dtype_bytes(name: str) -> int:

@@ -229,12 +229,13 @@ def _compute_readers(node) -> list:
 
 def _activation_choices(plan: Plan, ir: IR) -> list[str]:
     from .analysis import is_repeated_layer, layer_group
+    from .plan import ACTIVATION_CHOICES
     out = []
     layers = {layer_group(n) for n in ir.params if is_repeated_layer(n)}
     seen: set[str] = set()
     for layer, choice in plan.activations:
-        if choice not in ("keep", "recompute", "offload"):
-            out.append(f"layer {layer} has activation choice {choice!r} (valid: keep, recompute, offload)")
+        if choice not in ACTIVATION_CHOICES:
+            out.append(f"layer {layer} has activation choice {choice!r} (valid: {', '.join(ACTIVATION_CHOICES)})")
         if layer not in layers:
             out.append(f"activation choice for {layer}, which is not a repeated layer of the graph")
         if layer in seen:
