@@ -29,6 +29,31 @@ def test_zero_infinity_is_no_faster_than_zero_offload():
     assert inf.step_time >= d.zero_offload.step_time
 
 
+def test_zero_offload_runs_deepspeeds_cpu_passes_back_to_back_after_backward():
+    """DeepSpeed's step (stage 1/2, offload_optimizer=cpu): unscale_and_clip_grads (a mul_ over the fp32
+    gradients), CPU Adam, the cast of the updated weights in the cross-device copy_, each one OpenMP pass over
+    all cores: one CPU lane at the whole bandwidth, no idle time between the passes (the K worker lanes of the
+    superoffload schedule left the lanes idle between passes that depend on each other); the uploads end it."""
+    d = _details()
+    z = d.zero_offload
+    cpu = [(t, s, e) for t, s, e in zip(z.tasks, z.start, z.end) if t.lane.startswith("cpu")]
+    assert {t.lane for t, _, _ in cpu} == {"cpu0"} and z.cpu_lanes == 1
+    kinds = [t.name.split(" b")[0] for t, _, _ in cpu]
+    n = sum(1 for b in d.plan.buckets)
+    assert kinds == ["unscale g", "adam", "cast p"] * n
+    assert cpu[0][1] >= z.backward_end
+    grads_in = {int(t.name.rsplit("b", 1)[1]): e for t, _, e in zip(z.tasks, z.start, z.end)
+                if t.name.startswith("grads b")}
+    for (_, _, prev_e), (t, s, _) in zip(cpu, cpu[1:]):   # back to back, unless a gradient is still crossing
+        wait = grads_in[int(t.name.rsplit("b", 1)[1])] if t.name.startswith("unscale") else 0.0
+        assert s == pytest.approx(max(prev_e, wait), abs=1e-12)
+    busy = sum(e - s for _, s, e in cpu)
+    assert busy == pytest.approx(sum(d.cost.cpu_cast_time(b.numel, 4, 4) + d.cost.cpu_cast_time(b.numel)
+                                     + d.cost.cpu_adam_time(b.numel, 4, False, 0.58 / 0.74) for b in d.plan.buckets))
+    last_upload = max(e for t, _, e in zip(z.tasks, z.start, z.end) if t.name.startswith("upload"))
+    assert z.step_time == last_upload > cpu[-1][2]
+
+
 def test_step_time_is_at_least_the_gpu_compute_and_utilisation_at_most_one():
     d = _details()
     sim = d.simulation

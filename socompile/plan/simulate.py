@@ -11,9 +11,14 @@ The same builder replays three schedules on the same work (same graph times, sam
 - ``superoffload``: the plan as made (GPU-resident buckets, weight flow, speculative CPU steps as gradients
   arrive, casts where the plan put them);
 - ``zero-offload``: every bucket on the CPU, gradients cast to fp32 on the GPU and copied during backward (as
-  DeepSpeed's stage 1/2 offload does), all CPU steps after backward, updated weights cast to bf16 on the CPU as a
-  separate pass (a cross-device ``copy_`` with a dtype change), DeepSpeed CPU-Adam speed (58% vs GraceAdam's 74% of
-  bandwidth, SuperOffload blog);
+  DeepSpeed's stage 1/2 offload does), all CPU work after backward, as DeepSpeed's ``step`` does it: the fp32
+  gradients unscaled/clipped in place (``unscale_and_clip_grads``: a ``mul_`` pass, always run), CPU Adam at
+  DeepSpeed CPU-Adam speed (58% vs GraceAdam's 74% of bandwidth, SuperOffload blog), the updated weights cast to
+  bf16 on the CPU as a separate pass (a cross-device ``copy_`` with a dtype change) and uploaded. Each of these is
+  one OpenMP-parallel pass over all cores, so the baseline has one CPU lane at the whole bandwidth (the
+  superoffload schedule's K worker lanes would leave bubbles between dependent passes on different lanes);
+  bucket i's upload overlaps bucket i+1's CPU work (generous: ZeRO-2 with one parameter group uploads after the
+  whole step);
 - ``zero-infinity``: as zero-offload, and every weight streamed from CPU memory before each use (distance 1).
 
 Activations (``Plan.activations``, the same in every schedule): a recomputed layer runs its forward again on
@@ -246,8 +251,9 @@ def simulate(plan: Plan, costs: GraphCosts, cost: CostModel, schedule: str = "su
     if speculation not in ("on", "off", "redo"):
         raise ValueError(f"speculation must be 'on', 'off' or 'redo', got {speculation!r}")
     hw = cost.hw
-    lanes = cpu_lanes or max(1, min(4, hw.host_cores // 16))
     baseline = schedule != "superoffload"
+    # DeepSpeed's CPU passes (unscale, Adam, cast) each use every core, one after the other: one lane.
+    lanes = 1 if baseline else cpu_lanes or max(1, min(4, hw.host_cores // 16))
     infinity = schedule == "zero-infinity"
     if schedule not in ("superoffload", "zero-offload", "zero-infinity"):
         raise ValueError(f"unknown schedule {schedule!r}")
@@ -429,6 +435,8 @@ def simulate(plan: Plan, costs: GraphCosts, cost: CostModel, schedule: str = "su
                           "cast")]
         d2h = b.add(f"grads b{bk.index}", "d2h", cost.transfer_time(link_bytes, "d2h"), deps, "transfer", link_bytes)
         after = [d2h] + ([backward_last] if baseline or speculation == "off" else [])
+        if baseline:   # unscale_and_clip_grads: fp32 gradients read and written once, before the step
+            after = [b.add(f"unscale g b{bk.index}", "cpu", cost.cpu_cast_time(shard, 4, 4), after, "cast")]
         grad_bytes = 4 if baseline else _dtype_bytes(bk.link_dtype)
         writes_copy = (not baseline) and (bk.cast_site == "cpu" or bk.index in flow)
         adam = b.add(f"adam b{bk.index}", "cpu",
@@ -441,7 +449,7 @@ def simulate(plan: Plan, costs: GraphCosts, cost: CostModel, schedule: str = "su
             all_gather(bk, adam)   # every rank's host copy gets the other shards; next step streams it
             continue
         if baseline:
-            cast = b.add(f"cast p b{bk.index}", "cpu", cost.cpu_cast_time(shard) * lanes, [adam], "cast")
+            cast = b.add(f"cast p b{bk.index}", "cpu", cost.cpu_cast_time(shard), [adam], "cast")
             up = b.add(f"upload b{bk.index}", "h2d", cost.transfer_time(shard * 2, "h2d"), [cast], "transfer",
                        shard * 2)
         elif bk.cast_site == "cpu":
