@@ -507,6 +507,128 @@ def test_an_upload_never_synchronizes_a_stream_and_is_skipped_for_flow_buckets()
     assert api.calls == [] and not bucket.dirty and bucket.upload_event is None
 
 
+def recorded_cuda(monkeypatch):
+    """Training through the CUDA code paths on this CPU: the optimizer's buckets and the offload runtime get one
+    CUDARuntime whose torch.cuda calls the stand-in records (tensors stay on the CPU, copies are real copies,
+    so the numbers are still checked). Flow waits are marked in the same log."""
+    from test_runtime_device import _Recorder
+    from socompile.runtime.offload import OffloadRuntime
+    api = _Recorder()
+    rt = dev.CUDARuntime("cuda", api=api)
+    monkeypatch.setattr(dev, "shared_runtime", lambda device: rt)
+    monkeypatch.setattr(dev, "device_runtime", lambda device="auto": rt)
+    original = OffloadRuntime.wait
+
+    def wait(self, phase, bucket):
+        api.calls.append(("flow_wait", phase, bucket))
+        return original(self, phase, bucket)
+    monkeypatch.setattr(OffloadRuntime, "wait", wait)
+    return api, rt
+
+
+def _first_forward_read(ctx):
+    """Bucket index -> position (IR forward order) of the first forward node that reads one of its weights."""
+    from socompile.plan.flow_schedule import _uses
+    return {b.index: min(_uses(ctx.plan, ctx.ir, "fw", b)) for b in ctx.plan.buckets
+            if _uses(ctx.plan, ctx.ir, "fw", b)}
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_cuda_uploads_go_per_bucket_at_commit_and_the_forward_waits_for_each_before_its_first_read(monkeypatch,
+                                                                                                    clip):
+    """Recorder stand-in for torch.cuda, stationary + flow buckets. Each step, every stationary bucket's upload
+    is recorded on the h2d stream once, as soon as its step is final (clip=None: in the worker during backward;
+    clip=0.5: every step clipped, so at the redo in opt.step(), issued in the order the forward reads them), and
+    the compute stream does NOT wait for it in backward or opt.step(): the next forward waits for each bucket's
+    upload once, interleaved with the flow fetches' waits in first-read order. Same numbers as the shared master."""
+    options = dict(weight_mode="flow:1,4", prefetch_distance=1)
+    reference = train("shared", steps=3, options=options, clip=clip)[:2]
+    api, rt = recorded_cuda(monkeypatch)
+
+    def check(when, opt):
+        uploads = {b.index: b.upload_event.event.name for b in opt.buckets if b.upload_event is not None}
+        api.calls.append(("mark", when, uploads))
+
+    model, opt, backend = train("separate", steps=3, options=options, clip=clip, check=check)
+    assert_bitwise(reference, (model, opt))
+    if clip is not None:
+        assert opt.stats["redone"] > 0
+    ctx = backend.compiled[0]
+    stationary = sorted(b.index for b in opt.buckets if not b.flow)
+    flow = sorted(b.index for b in opt.buckets if b.flow)
+    assert flow == [1, 4] and len(stationary) >= 3
+    assert all(b.graph_waits_upload for b in opt.buckets if not b.flow)
+    first = _first_forward_read(ctx)
+    h2d = rt.stream("h2d").stream.name
+    # split the log: forward k runs between the marks "step" k-1 and "forward" k; backward + step k after it
+    segments, current = [], []
+    for call in api.calls:
+        if call[0] == "mark":
+            segments.append((call[1], current, call[2]))
+            current = []
+        else:
+            current.append(call)
+    forwards = [calls for when, calls, _ in segments if when == "forward"]
+    steps = [(calls, uploads) for when, calls, uploads in segments if when == "step"]
+    assert len(forwards) == len(steps) == 3
+    for k, (calls, uploads) in enumerate(steps):
+        assert sorted(uploads) == stationary                      # flow buckets upload nothing
+        mine = {e: b for b, e in uploads.items()}
+        recorded = [mine[c[1]] for c in calls if c[0] == "record" and c[1] in mine]
+        assert sorted(recorded) == stationary and all(("record", e, h2d) in calls for e in mine)
+        # not at step end: the compute stream is never told to wait for this step's uploads in backward/step
+        assert not [c for c in calls if c[0] == "wait_event" and c[1] == "compute" and c[2] in mine]
+        if clip is not None:   # redone in opt.step(): uploads issued in the order the next forward reads them
+            assert [first[b] for b in recorded] == sorted(first[b] for b in recorded)
+        if k + 1 < len(forwards):
+            seen = []
+            for c in forwards[k + 1]:
+                if c[0] == "flow_wait" and c[1] == "fw":
+                    seen.append(c[2])
+                elif c[0] == "wait_event" and c[1] == "compute" and c[2] in mine:
+                    seen.append(mine[c[2]])
+            # each stationary bucket waited for once; all waits (flow fetches and uploads) in first-read order
+            assert sorted(b for b in seen if b in stationary) == stationary
+            assert sorted(b for b in seen if b in flow) == flow
+            assert [first[b] for b in seen] == sorted(first[b] for b in seen), seen
+    # in the graph: one wait_upload per stationary bucket, before every reader of its parameters
+    fw = ctx.forward_graph
+    order = {n: i for i, n in enumerate(fw.graph.nodes)}
+    waits = [n for n in fw.graph.nodes if n.target is torch.ops.socompile.wait_upload.default]
+    assert sorted(n.args[1] for n in waits) == stationary
+    for n in waits:
+        assert n.meta["socompile"]["pass"] == "wait_uploads"
+        params = set(ctx.plan.buckets[n.args[1]].params)
+        assert {ctx.ir.graph.nodes[f"fw:{h.name}"]["alias_of"] for h in n.args[2]} == params & {
+            ctx.ir.graph.nodes[f"fw:{h.name}"].get("alias_of") for h in fw.graph.nodes if h.op == "placeholder"}
+        assert all(order[u] > order[n] for h in n.args[2] for u in h.users if u is not n)
+
+
+def test_cuda_uploads_of_an_eager_model_are_waited_for_at_the_end_of_step_and_by_materialized_weights(monkeypatch):
+    """No compiled forward waits for them: opt.step() makes the compute stream wait for every upload before it
+    returns. A compiled model's uploads are waited for by materialized_weights() (and model.state_dict())."""
+    api, _ = recorded_cuda(monkeypatch)
+    torch.manual_seed(0)
+    model = tiny()
+    opt = socompile.AdamW(model.parameters(), host_master="separate", **HYP)
+    x, y = batches(1)[0]
+    lm_loss(model(x), y).backward()
+    api.calls.clear()
+    opt.step()
+    uploads = [b.upload_event.event.name for b in opt.buckets]
+    assert all(("wait_event", "compute", e) in api.calls for e in uploads)
+    assert not any(b.graph_waits_upload or b.upload_pending for b in opt.buckets)
+
+    _, opt, _ = train("separate", steps=1, options=dict(weight_mode="stationary"))
+    pending = [b.upload_event.event.name for b in opt.buckets if b.upload_pending]
+    assert pending and len(pending) == len(opt.buckets)
+    api.calls.clear()
+    with opt.materialized_weights():
+        assert [c for c in api.calls if c[0] == "wait_event"] == [("wait_event", "compute", e) for e in pending] \
+            or sorted(c[2] for c in api.calls if c[0] == "wait_event") == sorted(pending)
+    assert not any(b.upload_pending for b in opt.buckets)
+
+
 # ------------------------------------------------------------------ on a real GPU (bench/gpu_check.sh runs these)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

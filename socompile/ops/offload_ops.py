@@ -11,6 +11,17 @@ partitioning (we saw it run a wait before its prefetch). So every ordering that 
 ``prefetch`` returns an empty *ticket* tensor that its ``wait_weights`` takes (the copy starts before the wait),
 and ``release``'s ``after`` carries the outputs of the bucket's last readers (no data is read; it only makes
 every scheduler run the release after them). ``wait_weights`` returns a fresh tensor that the graph owns (it aliases no input).
+
+    socompile::wait_upload(handle, bucket, weights) -> ()     the compute stream waits for the upload of a
+                                                              stationary bucket's updated weights (CUDA event)
+
+``wait_upload`` (passes/wait_uploads.py) sits right before the forward's first read of a stationary bucket with a
+separate host master. Its order rests on a data edge too, the other way round: it declares that it *mutates*
+``weights`` (the bucket's parameter placeholders; it writes nothing), so every scheduler runs each later reader
+of those parameters after it (Inductor turns the declared mutation into a dependency of every later read), and
+dead-code elimination keeps it (a mutable schema is impure). It is defined with a hand-written schema rather than
+``custom_op``: ``custom_op`` would bump the parameters' version counters on each call, and a second forward
+before the first backward (saved parameters) would then fail autograd's in-place check.
 """
 from __future__ import annotations
 
@@ -48,6 +59,22 @@ def release(handle: int, phase: str, bucket: int, after: list[torch.Tensor]) -> 
 
 @release.register_fake
 def _(handle, phase, bucket, after) -> None:
+    return None
+
+
+_LIB = torch.library.Library("socompile", "FRAGMENT")   # keeps the wait_upload definition registered
+_LIB.define("wait_upload(int handle, int bucket, Tensor(a!)[] weights) -> ()")
+
+
+def _wait_upload(handle: int, bucket: int, weights: list[torch.Tensor]) -> None:
+    handles.lookup(handle).wait_upload(bucket)
+
+
+_LIB.impl("wait_upload", _wait_upload, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("socompile::wait_upload")
+def _(handle, bucket, weights) -> None:
     return None
 
 

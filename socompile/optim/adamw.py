@@ -65,6 +65,15 @@ class GraphClaim:
             raise RuntimeError("the socompile optimizer of this compiled model was deleted")
         opt._on_grads(self.buckets[bucket], segments, grads, may_speculate=self.early_step[bucket])
 
+    def wait_upload(self, bucket: int) -> None:
+        """``socompile::wait_upload``: the forward is about to read this bucket's weights first; the compute
+        stream waits for their upload (CUDA; nothing to wait for on the CPU build, where uploads are copies)."""
+        flat = self.buckets[bucket]
+        if flat.wait_upload_on_compute():
+            opt = self._optimizer()
+            if opt is not None:
+                opt.events.record("fw_wait_upload", flat.index)
+
 
 class AdamW(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -332,9 +341,10 @@ class AdamW(torch.optim.Optimizer):
         if self._validating():
             self._validate_and_finish(buckets)
         else:
-            for bucket in buckets:
+            for bucket in self._upload_order(buckets):
                 if not bucket.stepped:
                     self._step_now(bucket, 1.0)
+                self._upload_final(bucket)
             self._commit(buckets)
         if self._sharding is not None:
             self._sharding.gather(buckets, changed=not (self._validating() and self.last_step_skipped))
@@ -344,16 +354,42 @@ class AdamW(torch.optim.Optimizer):
         self._speculator.begin_step()
         return loss
 
+    def _upload_final(self, bucket: FlatBucket) -> None:
+        """Separate host master: upload ``bucket`` as soon as its step is final (committed, redone, stepped
+        now, rolled back by the inverse), so its copy overlaps the rest of ``step()`` and the next forward.
+        ZeRO: not yet; only this rank's window is new until the all-gather (``_upload`` after it)."""
+        if bucket.dirty and self._sharding is None:
+            bucket.upload()
+
+    @staticmethod
+    def _upload_order(buckets: list[FlatBucket]) -> list[FlatBucket]:
+        """Buckets in the order the next forward first reads them (``fw_rank``, set by passes/wait_uploads.py),
+        then the others in reverse gradient order (the forward order of an eager model), so that the uploads
+        on the h2d stream arrive in the order the forward waits for them."""
+        ranked = sorted((b for b in buckets if b.fw_rank is not None), key=lambda b: b.fw_rank)
+        return ranked + [b for b in reversed(buckets) if b.fw_rank is None]
+
     def _upload(self, buckets: list[FlatBucket]) -> None:
-        """Separate host master: upload every bucket whose master changed (committed, redone, stepped now,
-        rolled back by the inverse), then make the compute stream wait for all uploads, so the next forward
-        reads the new weights (CUDA: queued waits, no host block; CPU build: the copies are already done)."""
-        for bucket in buckets:
+        """Separate host master: upload every bucket whose master still changed since its last upload (ZeRO's
+        all-gather, a loaded state), then make the compute stream wait for the uploads that no compiled forward
+        waits for itself (``graph_waits_upload``: passes/wait_uploads.py puts that wait right before the
+        bucket's first read), so eager use reads the new weights (CUDA: queued waits, no host block; CPU
+        build: the copies are already done)."""
+        for bucket in self._upload_order(buckets):
             if bucket.dirty:
                 bucket.upload()
         for bucket in buckets:
-            if bucket.mirror:
+            if bucket.mirror and not bucket.graph_waits_upload:
                 bucket.wait_upload_on_compute()
+
+    def wait_uploads(self) -> None:
+        """Make the compute stream wait for every upload issued so far (a queued wait on CUDA, nothing on the
+        CPU build). Compiled training needs no call: its forward waits per bucket before the first read. Call
+        it before reading stationary parameters of a compiled model outside its training graph between
+        ``opt.step()`` and the next compiled forward (an eager or ``torch.no_grad()`` evaluation, a copy);
+        ``materialized_weights()`` and ``model.state_dict()`` call it."""
+        for bucket in self.buckets:
+            bucket.wait_upload_on_compute()
 
     def _step_now(self, bucket: FlatBucket, grad_scale: float) -> None:
         self.events.record("step_start", bucket.index)
@@ -380,12 +416,15 @@ class AdamW(torch.optim.Optimizer):
         if not math.isfinite(norm):
             for bucket in speculated:
                 self._roll_back(bucket)
+                self._upload_final(bucket)   # an in-place rollback rewrote the master (inverse)
             self.last_step_skipped, self.last_step_clipped = True, False
             self.events.record("skip")
         else:
             scale = clip_coefficient(norm, self.max_grad_norm)
             self.last_step_skipped, self.last_step_clipped = False, scale < 1.0
-            for bucket in buckets:
+            # Each bucket is final here, one by one: its upload is issued at once (overlapping the next
+            # buckets' commits or redone steps), in the order the next forward reads them.
+            for bucket in self._upload_order(buckets):
                 if bucket.speculated and scale < 1.0:
                     self._roll_back(bucket)
                     self._step_now(bucket, scale)
@@ -396,6 +435,7 @@ class AdamW(torch.optim.Optimizer):
                     spec.stats.committed += 1
                 elif not bucket.stepped:
                     self._step_now(bucket, scale)
+                self._upload_final(bucket)
             self._commit(buckets)
         spec.end_step(norm, skipped=self.last_step_skipped, clipped=self.last_step_clipped)
         spec.stats.seconds_validating += time.perf_counter() - start
@@ -538,20 +578,24 @@ class AdamW(torch.optim.Optimizer):
                 bucket.steps[i] = int(float(state["step"]))
                 state["step"] = torch.tensor(float(bucket.steps[i]), dtype=torch.float32)
         self._upload(self.buckets)
+        self.wait_uploads()
 
     @contextlib.contextmanager
     def materialized_weights(self, pull: bool = False):
         """Weight-flow buckets with a separate host master hold no device bytes between uses (their storage is
         resized to 0, and reading such a parameter is an invalid memory access). Inside this block every
         parameter holds its weights (cast from the master), e.g. to save or load the model's state dict or to
-        run it eagerly; with ``pull=True`` values written into the parameters go into the master at exit."""
+        run it eagerly; with ``pull=True`` values written into the parameters go into the master at exit.
+        Stationary weights whose upload is still in flight (CUDA) are waited for first (``wait_uploads``)."""
         self._wait_pending()
+        self.wait_uploads()
         with contextlib.ExitStack() as stack:
             for bucket in self.buckets:
                 stack.enter_context(bucket.materialized(pull=pull))
             yield
         if pull:
             self._upload(self.buckets)
+            self.wait_uploads()
 
     def __del__(self):
         if getattr(self, "_worker", None) is not None:

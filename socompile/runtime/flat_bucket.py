@@ -31,7 +31,9 @@ copy per bucket moves them); ``master``, ``grad``, the moments and the spare sta
 Gradients arriving from the device are copied into the host ``grad`` (``receive_many``: on CUDA a non_blocking
 copy on the runtime's "d2h" stream whose event the CPU step waits on, ``wait_grads``; on the CPU a plain copy),
 and once a step is final ``upload`` casts the master into ``weights`` (on CUDA a non_blocking copy on the "h2d"
-stream; ``opt.step()`` makes the compute stream wait for its event before the next forward). A ping-pong commit
+stream, issued as soon as this bucket's step is final; the compute stream waits for its event right before the
+next forward's first read of the bucket, ``socompile::wait_upload`` of passes/wait_uploads.py, or at the end of
+``opt.step()`` for a bucket no compiled forward waits for, ``graph_waits_upload``). A ping-pong commit
 then swaps ``master`` only: parameters stay views of ``weights``. Weight-flow buckets (``flow``) keep no device
 bytes between uses: the storage of ``weights`` is resized to 0 (as FSDP2 does; tensor metadata stays, so Dynamo's
 guards still match), and each use fetches the master (runtime/offload.py). A device-stepped bucket (``site ==
@@ -104,6 +106,9 @@ class FlatBucket:
         self.grad_event = None         # CUDA: the D2H copy of the last gradients (the CPU step waits on it)
         self.upload_event = None       # CUDA: the last upload (host buffers it reads are not rewritten before it)
         self._upload_waited = True     # the compute stream was told to wait for upload_event
+        self.graph_waits_upload = False   # a compiled forward waits for the upload before its first read of the
+        #                                   bucket (passes/wait_uploads.py); else opt.step() makes compute wait
+        self.fw_rank = None            # position of the bucket's first read in the compiled forward (upload order)
         self._pending_adds: list[int] = []   # CUDA accumulation: segments staged in _stage32, to add to grad
         self._stage32 = None
         self._stage16 = None           # CUDA bf16 weights: pinned bf16 copy of master, uploaded as is
@@ -222,11 +227,19 @@ class FlatBucket:
         self.upload_event = rt.copy_async(self.weights, src, h2d)
         self._upload_waited = False
 
-    def wait_upload_on_compute(self) -> None:
-        """The compute stream waits (no host block) for this bucket's upload before it reads the weights."""
+    @property
+    def upload_pending(self) -> bool:
+        """An upload was issued that the compute stream has not been told to wait for yet (CUDA only)."""
+        return self.upload_event is not None and not self._upload_waited
+
+    def wait_upload_on_compute(self) -> bool:
+        """The compute stream waits (no host block) for this bucket's upload before it reads the weights; once
+        per upload. True when a wait was queued now."""
         if self.upload_event is not None and not self._upload_waited:
             self.runtime.wait_on_compute(self.upload_event)
             self._upload_waited = True
+            return True
+        return False
 
     def free_weights(self) -> None:
         """A flow bucket's device weights hold no bytes between uses (the storage is resized to 0; the views'
@@ -252,17 +265,25 @@ class FlatBucket:
         finally:
             self.free_weights()
 
-    def pull_from_weights(self) -> None:
+    def pull_from_weights(self, segments: list[int] | None = None) -> None:
         """The master from the parameters (after something wrote the weights directly, e.g. a model
-        ``load_state_dict``): exact for fp32 weights; bf16 weights give their bf16 values."""
+        ``load_state_dict``): exact for fp32 weights; bf16 weights give their bf16 values. ``segments``: only
+        those parameters (default: all)."""
         if self.weights is None or not self.weights.untyped_storage().nbytes():
             return   # parameters alias the master, or flow weights that hold nothing (see ``materialized``)
+        self.wait_upload_on_compute()   # CUDA: an upload still writing the weights is ordered before the read
         self.before_host_write()
-        for i in range(len(self.params)):
+        for i in range(len(self.params)) if segments is None else segments:
             seg = self.segment(i)
             self.master[seg].copy_(self.weights[seg])
-        self._low_synced = False
-        self.dirty = True
+        self.master_changed()
+
+    def load_segment(self, i: int, value: torch.Tensor) -> None:
+        """Parameter i's master from ``value`` (its shape; any dtype and device), e.g. a flow parameter loaded
+        by ``model.load_state_dict``; the copies of the master are made again (``master_changed``)."""
+        self.before_host_write()
+        self.view(self.master, i).copy_(value.detach().reshape(self.params[i].shape))
+        self.master_changed()
 
     def segment(self, i: int) -> slice:
         return slice(self.offsets[i], self.offsets[i] + self.sizes[i])
