@@ -393,6 +393,66 @@ def test_checkpoint_round_trip_with_flow_buckets_and_a_separate_master(tmp_path)
     assert all(torch.equal(p, q) for p, q in zip(params_of(resumed, ro), params_of(straight, so)))
 
 
+def test_model_state_dict_of_a_separate_master_holds_the_committed_weights_without_materializing(tmp_path):
+    """model.state_dict() (and torch.save of it) outside opt.materialized_weights(): flow parameters' storage
+    holds 0 bytes, yet their entries are the committed weights (the master cast to bf16, as a fetch gives them);
+    the compiled wrapper's state_dict too; and nothing is left materialized."""
+    options = dict(weight_mode="flow:1,4", prefetch_distance=1)
+    model, opt, _ = train("separate", steps=2, options=options, dtype=torch.bfloat16)
+    flow = [b for b in opt.buckets if b.flow]
+    assert flow and all(b.weights.untyped_storage().nbytes() == 0 for b in flow)
+    expected = dict(zip((n for n, _ in model.named_parameters()), params_of(model, opt)))
+    state = model.state_dict()
+    for name, value in expected.items():
+        assert torch.equal(state[name], value), name
+        bucket, i = opt._slot[id(dict(model.named_parameters())[name])]
+        assert torch.equal(state[name], bucket.view(bucket.master, i).to(torch.bfloat16))
+    torch.save(state, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert all(torch.equal(loaded[name], value) for name, value in expected.items())
+    wrapped = torch.compile(model, backend="eager").state_dict()    # keys "_orig_mod.<name>"
+    assert all(torch.equal(wrapped["_orig_mod." + name], value) for name, value in expected.items())
+    assert all(b.weights.untyped_storage().nbytes() == 0 for b in flow)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_load_state_dict_of_a_separate_master_updates_the_host_master_and_the_device_weights(dtype):
+    """model.load_state_dict() into a model trained with flow and stationary buckets (no materialized block):
+    the loaded values reach the host master (and through it the next fetch) and the stationary device weights;
+    flow storage is freed again; training on from there equals training straight on (with the optimizer state
+    loaded too). assign=True, which would replace the parameters, is refused with the fix."""
+    options = dict(weight_mode="flow:1,4", prefetch_distance=1)
+    straight, so, _ = train("separate", steps=4, options=options, dtype=dtype)
+    first, fo, _ = train("separate", steps=2, options=options, dtype=dtype)
+    saved_model, saved_opt = first.state_dict(), fo.state_dict()
+
+    torch.manual_seed(1)
+    resumed = tiny().to(dtype)
+    ro = socompile.AdamW(resumed.parameters(), host_master="separate", **HYP)
+    backend = socompile.SuperOffload(compute="eager", gpu_buckets=0, bucket_size="256KB", **options)
+    cmodel = torch.compile(resumed, backend=backend)
+    x, y = batches(1)[0]
+    lm_loss(cmodel(x).float(), y).backward()       # compiled, stepped once: flow storage freed, weights uploaded
+    ro.step()
+    ro.zero_grad()
+    with pytest.raises(RuntimeError, match="assign=True.*socompile.load"):
+        resumed.load_state_dict(dict(saved_model), assign=True)   # (a copy: torch keeps "assign" in _metadata)
+    resumed.load_state_dict(saved_model)
+    flow = [b for b in ro.buckets if b.flow]
+    assert flow and all(b.weights.untyped_storage().nbytes() == 0 for b in flow)
+    for name, p in resumed.named_parameters():
+        bucket, i = ro._slot[id(p)]
+        assert torch.equal(bucket.view(bucket.master, i), saved_model[name].float()), name
+        if not bucket.flow:   # still a view of the device buffer, holding the loaded value
+            assert p.data_ptr() == bucket.view(bucket.weights, i).data_ptr() and torch.equal(p, saved_model[name])
+    ro.load_state_dict(saved_opt)
+    for x, y in batches(4)[2:]:
+        lm_loss(cmodel(x).float(), y).backward()
+        ro.step()
+        ro.zero_grad()
+    assert_bitwise((straight, so), (resumed, ro))
+
+
 def test_zero_sharding_of_a_separate_master_shards_the_host_state_and_refuses_gpu_stepped_buckets():
     # ZeRO with a separate host master (tests/test_dist_zero.py trains with it): the moments cover the window,
     # the host master and gradient and the device weights stay whole (the all-gather fills the master, the

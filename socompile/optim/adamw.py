@@ -19,6 +19,7 @@ stay on the host and the updated master is uploaded once a step is final; see ru
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import time
@@ -73,6 +74,34 @@ class GraphClaim:
             opt = self._optimizer()
             if opt is not None:
                 opt.events.record("fw_wait_upload", flat.index)
+
+
+class _ModuleHook:
+    """A state_dict / load_state_dict hook of a module that owns parameters of a socompile.AdamW with a separate
+    host master. It holds the optimizer weakly (a module does not keep its optimizer alive; its ``__del__``
+    removes the hooks) and a copy of it does nothing (``deepcopy(model)``: the copy's parameters are not the
+    optimizer's)."""
+
+    def __init__(self, optimizer: "AdamW | None", method: str):
+        self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
+        self.method = method
+
+    def __call__(self, module, *args):
+        opt = self._optimizer() if self._optimizer is not None else None
+        if opt is not None:
+            return getattr(opt, self.method)(module, *args)
+        return None
+
+    def __reduce__(self):
+        return (_ModuleHook, (None, self.method))
+
+
+def _owning_modules(params: list[nn.Parameter]) -> list[nn.Module]:
+    """The modules whose own ``_parameters`` hold any of ``params`` (the optimizer is given parameters, not
+    modules): one pass over the objects the garbage collector tracks, at construction."""
+    wanted = {id(p) for p in params}
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), nn.Module)
+            and any(id(p) in wanted for p in obj._parameters.values() if p is not None)]
 
 
 class AdamW(torch.optim.Optimizer):
@@ -144,6 +173,16 @@ class AdamW(torch.optim.Optimizer):
         self._sharding = None
         self._warned_no_grads = False
         self._rebuild_pool()
+        # Separate host master: the model's state_dict() / load_state_dict() go through the host master (flow
+        # parameters hold no bytes between uses; a loaded stationary weight must reach the master too).
+        self._module_hooks = []
+        self._loading: dict[int, list] = {}
+        if self.host_master == "separate":
+            for module in _owning_modules(self._all_params()):
+                self._module_hooks += [
+                    module.register_state_dict_post_hook(_ModuleHook(self, "_module_state_dict")),
+                    module.register_load_state_dict_pre_hook(_ModuleHook(self, "_module_load_pre")),
+                    module.register_load_state_dict_post_hook(_ModuleHook(self, "_module_load_post"))]
 
     # ----------------------------------------------------------------- layout
     def _all_params(self) -> list[nn.Parameter]:
@@ -580,6 +619,73 @@ class AdamW(torch.optim.Optimizer):
         self._upload(self.buckets)
         self.wait_uploads()
 
+    # ------------------------------------------------- the model's state dict (separate host master)
+    def _own(self, module: nn.Module, prefix: str, keys) -> list[tuple[str, nn.Parameter, FlatBucket, int]]:
+        """(state dict key, parameter, bucket, segment) of ``module``'s own parameters that this optimizer
+        holds with a separate device buffer, for the keys present."""
+        out = []
+        for name, p in module._parameters.items():
+            slot = self._slot.get(id(p)) if p is not None else None
+            if slot is None or prefix + name not in keys:
+                continue
+            bucket, i = slot
+            if bucket.mirror and bucket.weights is not None and bucket.params[i] is p:
+                out.append((prefix + name, p, bucket, i))
+        return out
+
+    @staticmethod
+    def _holds_nothing(bucket: FlatBucket) -> bool:
+        return bucket.flow and not bucket.weights.untyped_storage().nbytes()
+
+    def _module_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
+        """State dict post-hook: a flow parameter's entry (its storage holds 0 bytes between uses) becomes a
+        fresh tensor of its committed value, the master cast to its dtype on its device (as the next fetch
+        would give it); stationary weights are the device buffer itself, once its upload is waited for."""
+        for key, p, bucket, i in self._own(module, prefix, state_dict):
+            if self._holds_nothing(bucket):
+                state_dict[key] = bucket.view(bucket.master, i).to(device=p.device, dtype=p.dtype, copy=True)
+            else:
+                bucket.wait_upload_on_compute()
+
+    def _module_load_pre(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected,
+                         error_msgs) -> None:
+        """Load pre-hook: a flow parameter gets a temporary buffer of its own for torch's loader to copy into
+        (its storage holds 0 bytes); a stationary one is loaded into its device buffer once the upload in
+        flight there is done. The post-hook moves the loaded values into the host master."""
+        own = self._own(module, prefix, state_dict)
+        if not own:
+            return
+        if local_metadata.get("assign_to_params_buffers"):
+            raise RuntimeError(
+                "load_state_dict(..., assign=True) on a model trained by socompile.AdamW with a separate host "
+                "master would replace the parameters, which are views of the optimizer's device buffers. Load "
+                "without assign=True (the values are copied into the host master and the device copy), or use "
+                "socompile.load(path, model, opt).")
+        self._wait_pending()
+        loading = []
+        for key, p, bucket, i in own:
+            held = None
+            if self._holds_nothing(bucket):
+                held, p.data = p.data, torch.empty_like(p)
+            else:
+                bucket.wait_upload_on_compute()
+            loading.append((key, p, bucket, i, held))
+        self._loading.setdefault(id(module), []).append((loading, error_msgs, len(error_msgs)))
+
+    def _module_load_post(self, module, incompatible_keys) -> None:
+        stack = self._loading.get(id(module))
+        if not stack:
+            return
+        loading, error_msgs, errors_before = stack.pop()
+        if not stack:
+            del self._loading[id(module)]
+        failed = error_msgs[errors_before:]
+        for key, p, bucket, i, held in loading:
+            if not any(key in message for message in failed):   # torch's loader names the key it could not copy
+                bucket.load_segment(i, p.detach())
+            if held is not None:
+                p.data = held   # the 0-byte view of the device buffer again
+
     @contextlib.contextmanager
     def materialized_weights(self, pull: bool = False):
         """Weight-flow buckets with a separate host master hold no device bytes between uses (their storage is
@@ -598,5 +704,7 @@ class AdamW(torch.optim.Optimizer):
             self.wait_uploads()
 
     def __del__(self):
+        for handle in getattr(self, "_module_hooks", ()):
+            handle.remove()
         if getattr(self, "_worker", None) is not None:
             self._worker.shutdown()
