@@ -30,12 +30,14 @@ def resolve_model_factory(model: str | Callable[[], torch.nn.Module]) -> Callabl
 def plan_model(model: str | Callable[[], torch.nn.Module], batch: int = 4, seq: int = 256,
                options: Mapping[str, Any] | Options | None = None, fake: bool = True,
                vocab_size: int | None = None, dtype: torch.dtype | None = None,
-               symbolic: bool = False, run_passes: bool = True) -> CompileContext:
+               symbolic: bool = False, run_passes: bool = True, fold: bool = True) -> CompileContext:
     """Trace ``model`` on (batch, seq) tokens, build the IR, plan it for ``options.target``.
 
     dtype: cast the model first (e.g. torch.bfloat16 to plan mixed-precision GPU training; the CPU trains fp32).
     symbolic: trace batch and sequence as symbols, so sizes in the plan are formulas of ``batch`` and ``seq``
     (slower to trace: about 3x on a 7B model).
+    fold: trace 4 of a deep model's identical blocks and repeat one in the graphs (capture/fold.py); the plan is
+    the same as with every block traced, several times sooner. False traces every block.
     """
     from . import passes
     from .capture.ir import build_ir
@@ -75,7 +77,7 @@ def plan_model(model: str | Callable[[], torch.nn.Module], batch: int = 4, seq: 
         if not symbolic:
             tokens = torch.randint(0, vocab, (batch, seq))
         targets = torch.zeros_like(tokens) if symbolic else torch.randint(0, vocab, (batch, seq))
-        fw, bw, infos = trace_training_graphs(net, (tokens,), (targets,))
+        fw, bw, infos = trace_training_graphs(net, (tokens,), (targets,), fold=fold)
     ctx = CompileContext(options=opts)
     ctx.forward_graph, ctx.backward_graph = fw, bw
     ctx.param_names = {p.input_index: p.name for p in infos}

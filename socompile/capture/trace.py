@@ -6,12 +6,16 @@ a laptop. NOTE: not the meta device: on meta, AOTAutograd silently drops the bac
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
 from torch import fx, nn
 
+from . import fold as fold_blocks
 from .params import ParamInfo, describe
+
+log = logging.getLogger(__name__)
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -21,13 +25,38 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def trace_training_graphs(model: nn.Module, inputs: tuple, targets: tuple, loss_fn: LossFn = lm_loss,
-                          ) -> tuple[fx.GraphModule, fx.GraphModule, list[ParamInfo]]:
-    """Forward and backward graphs of ``loss_fn(model(*inputs), *targets)`` as AOTAutograd partitions them."""
+                          fold: bool = True) -> tuple[fx.GraphModule, fx.GraphModule, list[ParamInfo]]:
+    """Forward and backward graphs of ``loss_fn(model(*inputs), *targets)`` as AOTAutograd partitions them.
+
+    fold: trace four of a deep model's identical blocks and repeat one of them in the graphs (capture/fold.py):
+    the same graphs, several times faster. Models that do not repeat cleanly are traced whole."""
+    named = dict(model.named_parameters())  # tied weights appear once, as in Dynamo's inputs
+    infos = [describe(i, name, p, optimized=p.requires_grad) for i, (name, p) in enumerate(named.items())]
+    blocks = fold_blocks.find_blocks(model) if fold else None
+    if blocks is not None:
+        try:
+            with fold_blocks.traced_subset(model, blocks):
+                fw, bw, traced_names = _trace(model, inputs, targets, loss_fn)
+            layout = fold_blocks.layout_for(traced_names, _state_names(model), blocks, len(inputs) + len(targets))
+            fw, bw = fold_blocks.expand(fw, bw, layout)
+            return fw, bw, infos
+        except fold_blocks.FoldError as exc:
+            log.info("tracing all %d blocks of %s: %s", blocks.count, blocks.path, exc)
+    fw, bw, _ = _trace(model, inputs, targets, loss_fn)
+    return fw, bw, infos
+
+
+def _state_names(model: nn.Module) -> list[str]:
+    # Buffers are inputs too: under FakeTensorMode a buffer captured as a constant is rejected by AOTAutograd.
+    return [*dict(model.named_parameters()), *dict(model.named_buffers())]
+
+
+def _trace(model: nn.Module, inputs: tuple, targets: tuple, loss_fn: LossFn,
+           ) -> tuple[fx.GraphModule, fx.GraphModule, list[str]]:
+    """(forward, backward, names of the parameter and buffer inputs in input order)."""
     from functorch.compile import aot_function, min_cut_rematerialization_partition
 
-    named = dict(model.named_parameters())  # tied weights appear once, as in Dynamo's inputs
-    # Buffers are inputs too: under FakeTensorMode a buffer captured as a constant is rejected by AOTAutograd.
-    state = {**named, **dict(model.named_buffers())}
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     names, values = list(state), list(state.values())
     n_params, n_inputs = len(values), len(inputs)
 
@@ -48,5 +77,4 @@ def trace_training_graphs(model: nn.Module, inputs: tuple, targets: tuple, loss_
 
     compiled = aot_function(train_loss, fw_compiler=no_compile, bw_compiler=no_compile, partition_fn=partition)
     compiled(*values, *inputs, *targets)
-    infos = [describe(i, name, p, optimized=p.requires_grad) for i, (name, p) in enumerate(named.items())]
-    return captured["fw"], captured["bw"], infos
+    return captured["fw"], captured["bw"], names
