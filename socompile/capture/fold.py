@@ -86,6 +86,8 @@ def kept_indices(count: int) -> list[int]:
 def traced_subset(model: nn.Module, blocks: Blocks) -> Iterator[None]:
     """Swap the block list for blocks 0, 1, 2, n-1 and tag every node each one traces with its slot."""
     from torch.fx import traceback as fx_traceback
+    if not hasattr(fx_traceback, "annotate"):
+        raise FoldError("this torch has no torch.fx.traceback.annotate to tag the blocks' nodes")
     parent_path, _, attr = blocks.path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     full = getattr(parent, attr)
@@ -200,6 +202,8 @@ def _leaves(node: fx.Node) -> list:
 
 def _check_repeats(gm: fx.GraphModule, s: _Slots, phase: str) -> None:
     one, two = s.members[1], s.members[2]
+    if not one or not two:   # this torch does not carry the block tags to these nodes
+        raise FoldError(f"{phase}: the graph's nodes carry no block tags")
     if len(one) != len(two):
         raise FoldError(f"{phase}: block slots 1 and 2 have {len(one)} and {len(two)} nodes")
     for a, b in zip(one, two):
