@@ -29,6 +29,8 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                         help="training dtype of weights and activations on the target (default bfloat16)")
     parser.add_argument("--formulas", action="store_true",
                         help="trace batch and seq symbolically so memory is reported as formulas (slower trace)")
+    parser.add_argument("--no-fold", dest="fold", action="store_false",
+                        help="trace every block (default: trace 4 identical blocks and repeat one; same plan, faster)")
     parser.add_argument("--activations", default=None,
                         choices=("auto", "keep", "recompute", "selective", "offload"),
                         help="per-layer activation policy (default auto: keep what fits, offload or recompute the rest)")
@@ -57,7 +59,7 @@ def _plan(args):
     options["target"] = _target_for_nodes(args)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
     return plan_model(_model_factory(args.model, args.seq), batch=args.batch, seq=args.seq, options=options,
-                      dtype=dtype, symbolic=args.formulas, run_passes=False)
+                      dtype=dtype, symbolic=args.formulas, run_passes=False, fold=args.fold)
 
 
 def _model_factory(model: str, seq: int):
