@@ -82,8 +82,9 @@ class Options:
     """What happens to each repeated layer's saved activations between forward and backward: 'auto' (the planner
     keeps them while they fit and checkpoints or offloads layers when they do not), 'keep', 'recompute'
     (activation checkpointing: keep each layer's input, recompute the layer in backward), 'selective' (keep each
-    layer's input and its attention outputs, recompute the rest: no attention kernel runs twice) or 'offload'
-    (saved tensors move to host memory in forward and back in backward), for every repeated layer."""
+    layer's input and its attention outputs, recompute the rest: no attention kernel runs twice),
+    'selective_offload' (selective, with those checkpoints in host memory between forward and backward) or
+    'offload' (saved tensors move to host memory in forward and back in backward), for every repeated layer."""
     dp_degree: int = 1
     """Data-parallel degree the plan is made for: ZeRO shards optimizer state and fp32 masters over dp x sp
     ranks, gradients are reduce-scattered and updated weights all-gathered per bucket. Each rank traces its own
@@ -119,9 +120,9 @@ class Options:
             raise OptionError(f"cast_site must be 'device', 'cpu' or None, got {self.cast_site!r}")
         if self.grad_link_dtype not in (None, "float32", "bfloat16"):
             raise OptionError(f"grad_link_dtype must be 'float32', 'bfloat16' or None, got {self.grad_link_dtype!r}")
-        if self.activations not in ("auto", "keep", "recompute", "selective", "offload"):
-            raise OptionError(f"activations must be 'auto', 'keep', 'recompute', 'selective' or 'offload', got "
-                              f"{self.activations!r}")
+        if self.activations not in ("auto", "keep", "recompute", "selective", "selective_offload", "offload"):
+            raise OptionError(f"activations must be 'auto', 'keep', 'recompute', 'selective', 'selective_offload' "
+                              f"or 'offload', got {self.activations!r}")
         if self.dp_degree < 1 or self.sp_degree < 1:
             raise OptionError(f"dp_degree and sp_degree must be >= 1, got {self.dp_degree} and {self.sp_degree}")
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))

@@ -7,6 +7,7 @@ eager torch.optim.AdamW the existing tolerance of test_backend_training.py holds
 Inductor, recomputed ops are fused into the backward kernels differently, so that case is compared with eager
 at the Inductor tolerance of test_backend_training.py (5e-5).
 """
+import dataclasses
 import operator
 import re
 import threading
@@ -83,7 +84,7 @@ def _layer_outputs(fw, bw, layers):
     return out
 
 
-@pytest.mark.parametrize("choice", ["recompute", "selective", "offload", "mix"])
+@pytest.mark.parametrize("choice", ["recompute", "selective", "selective_offload", "offload", "mix"])
 def test_each_choice_trains_like_eager_and_bitwise_like_keep(choice, keep_run):
     ours, ref, backend, _ = _train(choice)
     plan = backend.compiled[0].plan
@@ -263,6 +264,30 @@ def test_selective_saves_inputs_and_attention_outputs_and_recomputes_the_rest_bu
     assert sel["ctx"].plan.prediction("activations_selective_layers") == 2
 
 
+def test_selective_offload_moves_the_checkpoints_of_selective_layers_to_host():
+    """selective_offload = selective's partition + the offload passes: what a selective layer keeps (its output,
+    its attention outputs) waits in host memory; on the device only what is outside the layers stays."""
+    model, opt, backend, cmodel = _compiled("selective")
+    x, y = batches(1)[0]
+    _, sel_acts, sel_device, _ = _saved(cmodel, x)
+    model, opt, backend, cmodel = _compiled("selective_offload")
+    lm_loss(cmodel(x), y).backward()                   # compile
+    opt.step()
+    opt.zero_grad()
+    ctx = backend.compiled[0]
+    rt = ctx.activation_offload
+    assert ctx.activation_recomputed and ctx.plan.prediction("activations_selective_offload_layers") == 2
+    out, acts, device, host = _saved(cmodel, x, rt)
+    rt.drain()
+    assert len(acts) == len(sel_acts) and host > 0 and device + host == sel_device   # the same tensors, moved
+    offloads = [n.args[1] for n in ctx.forward_graph.graph.nodes
+                if n.target is torch.ops.socompile.offload_activation.default]
+    assert sorted(offloads) == ["layers.0"] * 3 + ["layers.1"] * 3     # output + out + logsumexp, per layer
+    lm_loss(out, y).backward()
+    assert rt.in_flight() == 0 and not rt._fetching
+    opt.step()
+
+
 # ---------------------------------------------------------------------------------------------- planner
 def test_at_long_sequence_auto_keeps_attention_outputs_and_beats_full_recompute():
     """The tiny preset at 16384 tokens (attention is half of a layer's forward), with a device budget that
@@ -271,6 +296,7 @@ def test_at_long_sequence_auto_keeps_attention_outputs_and_beats_full_recompute(
     layer's forward less its attention)."""
     from test_plan_activations import long_ir
     from test_plan_helpers import options, profile
+    from socompile.plan.memory import host_memory
     from socompile.plan.planner import plan_with_details
     ir = long_ir()
     forced = {c: plan_with_details(ir, profile(), options(activations=c, gpu_buckets=0))
@@ -291,8 +317,14 @@ def test_at_long_sequence_auto_keeps_attention_outputs_and_beats_full_recompute(
     assert auto.simulation.step_time == pytest.approx(step["selective"])
     assert step["keep"] < step["selective"] < step["recompute"]
     assert step["recompute"] - step["selective"] == pytest.approx(sum(lc.attention_time for lc in layers), rel=0.05)
-    # two layers' attention outputs less: the others fall back to full recompute, the step time in between
+    # two layers' attention outputs less: the others keep their checkpoints in host memory (selective_offload,
+    # the link hidden under compute), or, with no host memory to spare, fall back to full recompute
     tight = plan_with_details(ir, profile(), options(gpu_buckets=0, device_memory_budget=int(budget - 2 * att)))
+    assert set(dict(tight.plan.activations).values()) == {"selective", "selective_offload"}
+    assert tight.simulation.step_time == pytest.approx(step["selective"], rel=0.02)
+    flows = [dataclasses.replace(b, weight_mode="flow", prefetch_distance=1) for b in forced["keep"].plan.buckets]
+    no_room = profile(host_memory=int(host_memory(flows, 2)[0] / 0.9))
+    tight = plan_with_details(ir, no_room, options(gpu_buckets=0, device_memory_budget=int(budget - 2 * att)))
     assert set(dict(tight.plan.activations).values()) == {"selective", "recompute"}
     assert step["selective"] < tight.simulation.step_time < step["recompute"]
 

@@ -31,7 +31,8 @@ def _keep(hw=None, **kw):
 
 @functools.lru_cache(maxsize=None)
 def _mix_setup():
-    """A host that holds two offloaded layers (of four), and a device budget between what 'one kept, two
+    """A host that holds two offloaded layers (of four) and not the checkpoints of a third (selective_offload),
+    and a device budget between what 'one kept, two
     offloaded, one recomputed' needs and what 'two kept, two recomputed' needs (docs/planner.md, decision 3:
     during a layer's backward, kept saved tensors + recomputed inputs + that layer + the next offload in
     flight + two input-sized gradients): two offloads free two inputs, so the mix needs one input less."""
@@ -43,7 +44,7 @@ def _mix_setup():
     flows = [dataclasses.replace(b, weight_mode="flow", prefetch_distance=1, optimizer_site="cpu")
              for b in keep.plan.buckets]
     reserved = host_memory(flows, 2)[0]
-    hw = profile(host_memory=int((reserved + 2.5 * saved) / 0.9))
+    hw = profile(host_memory=int((reserved + 2.05 * saved) / 0.9))
     fixed = keep.plan.prediction("device_peak_bytes") - keep.plan.prediction("activations_bytes")
     budget = int(fixed + costs.saved_bytes - saved + 3.5 * inputs)
     return hw, budget, saved, layers

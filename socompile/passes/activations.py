@@ -55,7 +55,8 @@ FW_NAME = "activation_offload_forward"
 BW_NAME = "activation_offload_backward"
 RECOMPUTE_NAME = "activation_recompute"   # the name its before/after dumps carry (applied at partition time)
 PREFETCH_AHEAD = 1                         # offloaded layers fetched ahead of the one the backward is in
-CHOICES = ("keep", "recompute", "selective", "offload")
+CHOICES = ("keep", "recompute", "selective", "selective_offload", "offload")
+OFFLOADED = ("offload", "selective_offload")   # saved tensors (selective_offload: its checkpoints) go to host
 
 _override: dict[str, str] | None = None
 
@@ -187,12 +188,12 @@ def repartition(ctx, fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[fx.GraphMo
     if choices != ctx.plan.activations:
         ctx.plan = plan(ctx.ir, get_profile(ctx.options.target), ctx.options, activations=choices)
         choices = ctx.plan.activations
-    offload = [layer for layer, choice in choices if choice == "offload"]
+    offload = [layer for layer, choice in choices if choice in OFFLOADED]
     if offload and (ctx.optimizer is None or not ctx.plan.buckets):
         log.warning("socompile: layers %s are planned to offload their activations, but the passes run only for "
                     "parameters of a socompile.AdamW; their activations are kept", ", ".join(offload))
-    recompute = [layer for layer, choice in choices if choice in ("recompute", "selective")]
-    selective = {layer for layer, choice in choices if choice == "selective"}
+    recompute = [layer for layer, choice in choices if choice in ("recompute", "selective", "selective_offload")]
+    selective = {layer for layer, choice in choices if choice in ("selective", "selective_offload")}
     if not recompute:
         return fw, bw
     if repartition_fn is None:
@@ -293,7 +294,7 @@ def _root(node: fx.Node) -> fx.Node:
 def activation_offload_forward(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
     from ..runtime.activation_offload import offloadable
     from .weight_flow import _Builder
-    layers = [layer for layer, choice in plan.activations if choice == "offload"]
+    layers = [layer for layer, choice in plan.activations if choice in OFFLOADED]
     if not layers or getattr(ctx, "offload", None) is None:
         return gm
     if BW_NAME in ctx.options.disable_passes:

@@ -13,10 +13,12 @@ from .hardware import GB
 from .memory import host_memory
 from .plan import ACTIVATION_CHOICES
 
+X = "selective_offload"
+
 
 def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
-    """Per repeated layer: keep, recompute, selective or offload its saved activations (sets ctx.choices,
-    ctx.activations, ctx.offloaded_bytes; returns Plan.recompute).
+    """Per repeated layer: keep, recompute, selective, selective_offload or offload its saved activations (sets
+    ctx.choices, ctx.activations, ctx.offloaded_bytes; returns Plan.recompute).
 
     Memory (per rank): activations = peak - sum(saved of non-kept layers) + sum(input of recomputed and
     selective layers) + sum(attention outputs of selective layers) + the largest non-kept layer's saved tensors
@@ -25,15 +27,18 @@ def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
     backward; selective = the same less its attention kernels (their outputs are kept: at long sequences
     attention is most of a layer's forward and its outputs are about one layer input); offload = the link time
     not hidden by the compute it overlaps (the next layer's forward for the copy out, the previous backward for
-    the copy in), host memory (pinned) for its saved tensors. 'auto': for each number of kept layers (the last
-    ones: their backward comes first), the most offloads that fit where offload is cheaper than recompute, then
-    recomputed layers made selective while the device holds their attention outputs (most time saved per byte
-    first); of these candidates the one with the least recompute/offload time wins (ties: more layers kept)."""
+    the copy in), host memory (pinned) for its saved tensors; selective_offload = selective + the offload cost
+    of its checkpoints (output and attention outputs) instead of its saved tensors. 'auto': for each number of
+    kept layers (the last ones: their backward comes first), the most offloads that fit where offload is cheaper
+    than recompute, then recomputed layers made selective while the device holds their attention outputs (most
+    time saved per byte first), then the layers still recomputed made selective_offload where host memory holds
+    their checkpoints (and back to selective where the device memory that frees allows); of these candidates
+    the one with the least recompute/offload time wins (ties: more layers kept)."""
     costs, cost = ctx.costs, ctx.cost
     layers = list(costs.layers)
     forced = ctx.options.activations
     if not layers:
-        if forced in ("recompute", "selective", "offload"):
+        if forced in ("recompute", "selective", X, "offload"):
             decisions.append(f"activations: {forced} requested but the graph has no repeated layers; kept")
         return "none"
     # The least the rest of the plan can take: every bucket on the CPU, every bucket that can stream (uses in
@@ -65,6 +70,13 @@ def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
         hide_bw = layers[i + 1].bw_time if i + 1 < n else 0.0
         link[lc.name] = (out_t, in_t, hide_fw, hide_bw)
         off_cost[lc.name] = max(0.0, out_t - hide_fw) + max(0.0, in_t - hide_bw)
+    # selective_offload: selective, and its checkpoints (output = next input, attention outputs) cross the link
+    ck_cost = {}
+    for i, lc in enumerate(layers):
+        _, _, hide_fw, hide_bw = link[lc.name]
+        ck = _checkpoint_bytes(lc)
+        ck_cost[lc.name] = sel_cost[lc.name] + max(0.0, float(cost.transfer_time(ck, "d2h")) - hide_fw) + \
+            max(0.0, float(cost.transfer_time(ck, "h2d")) - hide_bw)
 
     def assign(n_keep: int, max_offload: int) -> dict[str, str]:
         choice = {lc.name: "keep" for lc in layers[n - n_keep:]}
@@ -94,10 +106,35 @@ def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
                 headroom -= lc.attention_saved
         return out
 
+    def to_host(choice: dict[str, str]) -> dict[str, str]:
+        """Layers still recomputed whole become selective_offload where that is cheaper and host memory holds
+        their checkpoints (next to the offloaded layers'); then, where the device memory this frees holds them,
+        selective again (the same time, no link traffic, no host memory). Unchanged if it would not fit."""
+        used = sum(lc.saved for lc in layers if choice[lc.name] == "offload")
+        out = dict(choice)
+        for lc in layers:
+            if out[lc.name] == "recompute" and ck_cost[lc.name] < rec_cost[lc.name] and \
+                    used + _checkpoint_bytes(lc) <= room:
+                out[lc.name] = X
+                used += _checkpoint_bytes(lc)
+        if out == choice:
+            return choice
+        need = _activation_bytes(ctx, out)[0]
+        if need > available:
+            return choice
+        for lc in layers:
+            if out[lc.name] == X and sel_cost[lc.name] <= ck_cost[lc.name]:
+                trial = {**out, lc.name: "selective"}
+                more = _activation_bytes(ctx, trial)[0]
+                if more > available:
+                    break
+                out = trial
+        return out
+
     def spent(choice: dict[str, str]) -> float:
         """Seconds the choice adds to the step (the policy's estimate)."""
         per = {"keep": lambda name: 0.0, "recompute": rec_cost.__getitem__, "selective": sel_cost.__getitem__,
-               "offload": off_cost.__getitem__}
+               X: ck_cost.__getitem__, "offload": off_cost.__getitem__}
         return sum(per[c](name) for name, c in choice.items())
 
     max_offloads = sum(1 for _ in _prefix_within(sorted(lc.saved for lc in layers), room))
@@ -132,7 +169,7 @@ def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
                     trial = assign(n_keep, max_offload)
                     need = _activation_bytes(ctx, trial)[0]
                     if need <= available:
-                        trial = upgrade(trial, available - need)
+                        trial = to_host(upgrade(trial, available - need))
                         if found is None or spent(trial) < best:
                             found, best = trial, spent(trial)
                         break
@@ -143,10 +180,10 @@ def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
                 chosen = {lc.name: "keep" for lc in layers}
     else:
         chosen = {lc.name: forced for lc in layers}
-        if forced == "offload":
-            need = sum(lc.saved for lc in layers)
+        if forced in ("offload", X):
+            need = sum(lc.saved if forced == "offload" else _checkpoint_bytes(lc) for lc in layers)
             if need > room:
-                raise PlanError(f"activations='offload' needs {need / GB:.1f} GB of host memory for the saved "
+                raise PlanError(f"activations={forced!r} needs {need / GB:.1f} GB of host memory for the saved "
                                 f"activations of {n} layers but only {room / GB:.1f} GB is left after the "
                                 f"optimizer state ({ctx.hw.name}, {HOST_HEADROOM:.0%} usable); use "
                                 f"activations='auto' (offloads what fits, recomputes the rest) or 'recompute'")
@@ -157,9 +194,19 @@ def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
         return "none"
     ctx.activations, ctx.activations_expr, ctx.offloaded_bytes = act, expr, offloaded
     ctx.choices = tuple((lc.name, chosen[lc.name]) for lc in layers)
-    decisions.append(_activation_line(ctx, layers, chosen, rec_cost, sel_cost, off_cost, link, available, room,
-                                      forced))
+    decisions.append(_activation_line(ctx, layers, chosen, rec_cost, sel_cost, ck_cost, off_cost, link, available,
+                                      room, forced))
     return "layers"
+
+
+def _checkpoint_bytes(lc) -> float:
+    """What a selective_offload layer sends to host memory: its output (the next layer's input, as large as its
+    own) and its attention outputs."""
+    return lc.boundary + lc.attention_saved
+
+
+def _checkpoint_expr(lc):
+    return lc.boundary_expr + lc.attention_saved_expr
 
 
 def _prefix_within(sizes: list[float], limit: float):
@@ -189,15 +236,19 @@ def _activation_bytes(ctx: _Context, chosen: dict[str, str]) -> tuple[float, obj
     recomputed = [lc for lc in nonkeep if chosen[lc.name] in ("recompute", "selective")]
     selective = [lc for lc in nonkeep if chosen[lc.name] == "selective"]
     offloaded = [lc for lc in nonkeep if chosen[lc.name] == "offload"]
+    to_host = [lc for lc in nonkeep if chosen[lc.name] == "selective_offload"]
 
     def rebuilt(lc):   # what a non-kept layer's backward brings back beyond what stays saved
         return lc.saved - lc.attention_saved if chosen[lc.name] == "selective" else lc.saved
 
     biggest = max(nonkeep, key=rebuilt)
-    in_flight = [max(offloaded, key=lambda lc: lc.saved)] if offloaded else []
+    # the largest layer in flight (a window of two): an offloaded layer's saved tensors or checkpoints
+    flights = [(lc.saved, lc.saved_expr) for lc in offloaded] + [(_checkpoint_bytes(lc), _checkpoint_expr(lc))
+                                                                 for lc in to_host]
+    in_flight = [max(flights, key=lambda f: f[0])[1]] if flights else []
     widest = max(costs.layers, key=lambda lc: lc.boundary)
     common = [-lc.saved_expr for lc in nonkeep] + [lc.boundary_expr for lc in recomputed] + \
-        [lc.attention_saved_expr for lc in selective] + [lc.saved_expr for lc in in_flight]
+        [lc.attention_saved_expr for lc in selective] + in_flight
     at_peak = [costs.activation_peak_expr] + common
     extra = biggest.saved_expr - biggest.attention_saved_expr if chosen[biggest.name] == "selective" \
         else biggest.saved_expr
@@ -211,7 +262,7 @@ def _activation_bytes(ctx: _Context, chosen: dict[str, str]) -> tuple[float, obj
         expr = sum(terms)
     else:
         expr = sympy.expand(sympy.Add(*[sympy.sympify(t) for t in terms]))
-    return value(terms), expr, float(sum(lc.saved for lc in offloaded))
+    return value(terms), expr, float(sum(lc.saved for lc in offloaded) + sum(_checkpoint_bytes(lc) for lc in to_host))
 
 
 def _host_room(ctx: _Context, base) -> float:
@@ -245,8 +296,10 @@ def _names_text(names: list[str]) -> str:
     return f"{prefix}." + ",".join(runs)
 
 
-def _activation_line(ctx, layers, chosen, rec_cost, sel_cost, off_cost, link, available, room, forced) -> str:
-    groups = {c: [lc for lc in layers if chosen[lc.name] == c] for c in ("keep", "offload", "selective", "recompute")}
+def _activation_line(ctx, layers, chosen, rec_cost, sel_cost, ck_cost, off_cost, link, available, room,
+                     forced) -> str:
+    groups = {c: [lc for lc in layers if chosen[lc.name] == c]
+              for c in ("keep", "offload", "selective", "selective_offload", "recompute")}
     parts = [f"keep {len(groups['keep'])} of {len(layers)} ({_names_text([lc.name for lc in groups['keep']])})"]
     if groups["offload"]:
         lc = max(groups["offload"], key=lambda x: x.saved)
@@ -263,6 +316,14 @@ def _activation_line(ctx, layers, chosen, rec_cost, sel_cost, off_cost, link, av
                      f"(attention {lc.attention_time * 1e3:.1f} ms not re-run), keeps "
                      f"{(lc.boundary + lc.attention_saved) / GB:.2f} GB: input and attention outputs"
                      f"{'; options.activations=' + repr(forced) if forced == 'selective' else ''})")
+    if groups["selective_offload"]:
+        lc = groups["selective_offload"][0]
+        ck = _checkpoint_bytes(lc)
+        parts.append(f"selective_offload {len(groups['selective_offload'])} "
+                     f"({_names_text([x.name for x in groups['selective_offload']])}: as selective, its "
+                     f"{ck / GB:.2f} GB of checkpoints (output, attention outputs) in host memory, "
+                     f"+{ck_cost[lc.name] * 1e3:.1f} ms each in backward with the link time not hidden; "
+                     f"{ctx.offloaded_bytes / GB:.1f} GB pinned host memory of {room / GB:.1f} GB free)")
     if groups["recompute"]:
         lc = groups["recompute"][0]
         why = ("options.activations='recompute'" if forced == "recompute" else

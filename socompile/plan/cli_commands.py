@@ -32,7 +32,8 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-fold", dest="fold", action="store_false",
                         help="trace every block (default: trace 4 identical blocks and repeat one; same plan, faster)")
     parser.add_argument("--activations", default=None,
-                        choices=("auto", "keep", "recompute", "selective", "offload"),
+                        choices=("auto", "keep", "recompute", "selective", "selective_offload",
+                                 "offload"),
                         help="per-layer activation policy (default auto: keep what fits, offload or recompute the rest)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel degree (ZeRO over dp x sp ranks)")
     parser.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree (--seq is the whole "

@@ -10,7 +10,7 @@ from typing import Any
 
 
 # Per-layer activation choices (Plan.activations; passes/activations.py applies them).
-ACTIVATION_CHOICES = ("keep", "recompute", "selective", "offload")
+ACTIVATION_CHOICES = ("keep", "recompute", "selective", "selective_offload", "offload")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +45,9 @@ class Plan:
     decisions: tuple[str, ...] = ()   # one line per decision, with its reason (reports)
     # Per repeated layer group ("layers.3"): what happens to its saved activations between forward and backward:
     # "keep" (stay on the device), "recompute" (activation checkpointing: keep the layer's input, recompute
-    # the rest in backward), "selective" (keep the input and the attention kernels' outputs, recompute the rest)
-    # or "offload" (saved tensors go to host memory in forward and come back in backward).
+    # the rest in backward), "selective" (keep the input and the attention kernels' outputs, recompute the rest),
+    # "selective_offload" (selective, with what it keeps in host memory between forward and backward) or
+    # "offload" (saved tensors go to host memory in forward and come back in backward).
     # Empty: keep everything. passes/activations.py applies it.
     activations: tuple[tuple[str, str], ...] = ()
 

@@ -137,7 +137,8 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
     buckets, host_total, host_pinned, host_parts = _rollback_modes(ctx, buckets, decisions)
     names = ctx.ir.symbol_names
     zero = simulate(_plan_of(ctx, buckets, recompute, ()), costs, cost, "zero-offload")
-    counts = {c: sum(1 for _, x in ctx.choices if x == c) for c in ("recompute", "selective", "offload")}
+    counts = {c: sum(1 for _, x in ctx.choices if x == c)
+              for c in ("recompute", "selective", "selective_offload", "offload")}
     predicted = (
         ("shapes", tuple(sorted((names.get(k, k), v) for k, v in cost.symbol_values.items()))),
         ("param_dtype_bytes", weight_bytes),
@@ -151,6 +152,7 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
         ("activations_keep_layers", len(costs.layers) - sum(counts.values())),
         ("activations_recompute_layers", counts["recompute"]),
         ("activations_selective_layers", counts["selective"]),
+        ("activations_selective_offload_layers", counts["selective_offload"]),
         ("activations_offload_layers", counts["offload"]),
         ("activations_offloaded_bytes", int(ctx.offloaded_bytes)),
         ("host_bytes", int(host_total)),

@@ -23,7 +23,8 @@ The same builder replays three schedules on the same work (same graph times, sam
 
 Activations (``Plan.activations``, the same in every schedule): a recomputed layer runs its forward again on
 the GPU just before its backward (and, under Ulysses, its two all-to-alls); a selective one the same less its
-attention kernels (their outputs were kept); an offloaded layer's saved tensors
+attention kernels (their outputs were kept); a selective_offload one as selective, after its checkpoints (output
+and attention outputs) came back like an offloaded layer's saved tensors; an offloaded layer's saved tensors
 go device->host after its forward and come back host->device before its backward, through a window of two
 layers (the forward of the layer two offloaded layers later waits for the copy; the fetch waits until the
 buffer of the layer two places earlier in backward is free).
@@ -287,7 +288,11 @@ def simulate(plan: Plan, costs: GraphCosts, cost: CostModel, schedule: str = "su
     # after[stop] -> callables(segment) returning ids the next segment waits for.
     seg_end: dict[tuple[str, int], int] = {}
     layer_index = {lc.name: i for i, lc in enumerate(costs.layers)}
-    offloaded = [lc for lc in layers if choices[lc.name] == "offload"]
+    offloaded = [lc for lc in layers if choices[lc.name] in ("offload", "selective_offload")]
+
+    def sent(lc):   # bytes an offloaded layer moves each way: its saved tensors, or a selective one's checkpoints
+        return lc.saved if choices[lc.name] == "offload" else lc.boundary + lc.attention_saved
+    fetched: dict[str, int] = {}
     offload_out: dict[str, int] = {}
     fw_before: dict[int, list] = {}
     fw_after: dict[int, list] = {}
@@ -317,8 +322,8 @@ def simulate(plan: Plan, costs: GraphCosts, cost: CostModel, schedule: str = "su
         bw_cuts += [lc.bw_span[0], lc.bw_span[1]]
 
         def out(seg, lc=lc):
-            offload_out[lc.name] = b.add(f"act out {lc.name}", "d2h", cost.transfer_time(lc.saved, "d2h"), [seg],
-                                         "transfer", lc.saved)
+            offload_out[lc.name] = b.add(f"act out {lc.name}", "d2h", cost.transfer_time(sent(lc), "d2h"), [seg],
+                                         "transfer", sent(lc))
             return []
         fw_after.setdefault(lc.fw_span[1], []).append(out)
         if j >= 2:   # two layers in flight: the layer two offloads later waits for this copy
@@ -327,21 +332,27 @@ def simulate(plan: Plan, costs: GraphCosts, cost: CostModel, schedule: str = "su
 
         def fetch(prev, j=j, lc=lc):
             gate = ("fw", -1) if j + 2 >= len(offloaded) else ("bw", offloaded[j + 2].bw_span[1])
-            return [b.add(f"act in {lc.name}", "h2d", cost.transfer_time(lc.saved, "h2d"),
-                          [seg_end.get(gate), offload_out.get(lc.name)], "transfer", lc.saved)]
+            fetched[lc.name] = b.add(f"act in {lc.name}", "h2d", cost.transfer_time(sent(lc), "h2d"),
+                                     [seg_end.get(gate), offload_out.get(lc.name)], "transfer", sent(lc))
+            return [fetched[lc.name]]
         bw_before.setdefault(lc.bw_span[0], []).append(fetch)
     for lc in layers:
-        if choices[lc.name] not in ("recompute", "selective"):
+        if choices[lc.name] not in ("recompute", "selective", "selective_offload"):
             continue
         bw_cuts.append(lc.bw_span[0])
 
         def again(prev, lc=lc):
             redo = recompute_time(lc, choices[lc.name])
-            rec = b.add(f"recompute {lc.name}", "gpu", redo, [prev], "compute")
+            # a selective_offload layer's recompute reads its fetched checkpoints (its fetch hook ran first)
+            rec = b.add(f"recompute {lc.name}", "gpu", redo, [prev, fetched.get(lc.name)], "compute")
             if layer_a2a.get(lc.name):
                 rec = all_to_all(f"recompute a2a {lc.name}", layer_a2a[lc.name], [rec])
             return [rec]
-        bw_before.setdefault(lc.bw_span[0], []).insert(0, again)
+        hooks = bw_before.setdefault(lc.bw_span[0], [])
+        if choices[lc.name] == "selective_offload":
+            hooks.append(again)
+        else:
+            hooks.insert(0, again)
     del layer_index
 
     def phase(times, uses, extra_cuts, label, before, after):
@@ -478,7 +489,7 @@ def recompute_time(lc, choice: str) -> float:
     kernels ("selective": their outputs were kept), nothing otherwise."""
     if choice == "recompute":
         return lc.fw_time
-    if choice == "selective":
+    if choice in ("selective", "selective_offload"):
         return max(0.0, lc.fw_time - lc.attention_time)
     return 0.0
 

@@ -133,7 +133,8 @@ def _summary(plan: Plan, pred: dict) -> list[str]:
         if plan.activations:
             per_layer = (f"; layers: keep {pred.get('activations_keep_layers', 0)}, recompute "
                          f"{pred.get('activations_recompute_layers', 0)}, selective "
-                         f"{pred.get('activations_selective_layers', 0)}, offload "
+                         f"{pred.get('activations_selective_layers', 0)}, selective_offload "
+                         f"{pred.get('activations_selective_offload_layers', 0)}, offload "
                          f"{pred.get('activations_offload_layers', 0)} "
                          f"({human_bytes(pred.get('activations_offloaded_bytes', 0))} to host)")
         out.append(f"activations: {human_bytes(pred['activations_bytes'])} = {human_formula(pred['activations_formula'])}"
