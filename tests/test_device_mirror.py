@@ -651,7 +651,8 @@ def test_cuda_uploads_go_per_bucket_at_commit_and_the_forward_waits_for_each_bef
             assert sorted(b for b in seen if b in stationary) == stationary
             assert sorted(b for b in seen if b in flow) == flow
             assert [first[b] for b in seen] == sorted(first[b] for b in seen), seen
-    # in the graph: one wait_upload per stationary bucket, before every reader of its parameters
+    # in the graph: one wait_upload per stationary bucket, before every reader of its parameters (and in dumps)
+    assert any(d.pass_name == "wait_uploads" and "socompile.wait_upload.default" in d.after for d in ctx.dumps)
     fw = ctx.forward_graph
     order = {n: i for i, n in enumerate(fw.graph.nodes)}
     waits = [n for n in fw.graph.nodes if n.target is torch.ops.socompile.wait_upload.default]
