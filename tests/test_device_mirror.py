@@ -665,6 +665,28 @@ def test_cuda_uploads_go_per_bucket_at_commit_and_the_forward_waits_for_each_bef
         assert all(order[u] > order[n] for h in n.args[2] for u in h.users if u is not n)
 
 
+def test_two_forwards_before_their_backwards_with_upload_waits_in_the_graph():
+    """wait_upload declares a mutation of the parameters it orders; it must not bump their version counters, or
+    autograd would refuse the first backward after a second forward (its saved parameters "modified")."""
+    def run(host_master):
+        torch.manual_seed(0)
+        model = tiny()
+        opt = socompile.AdamW(model.parameters(), host_master=host_master, grad_accumulation_steps=2, **HYP)
+        cmodel = torch.compile(model, backend=socompile.SuperOffload(compute="eager", gpu_buckets=0,
+                                                                     bucket_size="256KB", weight_mode="stationary"))
+        data = batches(4)
+        for step in range(2):
+            losses = [lm_loss(cmodel(x), y) for x, y in data[2 * step:2 * step + 2]]
+            for loss in losses:
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+    shared, mirror = run("shared"), run("separate")
+    assert all(b.graph_waits_upload for b in mirror[1].buckets)
+    assert_bitwise(shared, mirror)
+
+
 def test_cuda_uploads_of_an_eager_model_are_waited_for_at_the_end_of_step_and_by_materialized_weights(monkeypatch):
     """No compiled forward waits for them: opt.step() makes the compute stream wait for every upload before it
     returns. A compiled model's uploads are waited for by materialized_weights() (and model.state_dict())."""
