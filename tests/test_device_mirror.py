@@ -687,6 +687,32 @@ def test_two_forwards_before_their_backwards_with_upload_waits_in_the_graph():
     assert_bitwise(shared, mirror)
 
 
+@pytest.mark.slow
+def test_inductor_keeps_each_wait_upload_before_every_kernel_that_reads_its_bucket():
+    """The declared mutation is the data edge Inductor respects: in its generated forward, no line before a
+    bucket's wait_upload reads one of that bucket's parameters, and the waits are spread through the forward."""
+    import re
+    from torch._inductor.utils import run_and_get_code
+    torch.manual_seed(0)
+    model = tiny().to(torch.bfloat16)
+    opt = socompile.AdamW(model.parameters(), **HYP)   # kept alive: the backend finds the owner of the parameters
+    cmodel = torch.compile(model, backend=socompile.SuperOffload(compute="inductor", gpu_buckets=0,
+                                                                 bucket_size="256KB", weight_mode="stationary"))
+    x, _ = batches(1)[0]
+    with torch._inductor.config.patch(force_disable_caches=True):
+        _, codes = run_and_get_code(lambda: cmodel(x))
+    code = next(c for c in codes if "socompile.wait_upload.default" in c)
+    body = code[code.index("def call("):].splitlines()
+    body = [line for line in body if not re.match(r"\s*(del |assert_size_stride|assert_alignment)", line)
+            and not line.rstrip().endswith("= args")]   # the unpacking of the inputs reads nothing
+    waits = [(k, re.findall(r"\w+", line[line.index("["):])) for k, line in enumerate(body)
+             if "socompile.wait_upload.default" in line]
+    assert len(waits) == len(opt.buckets) and waits[0][0] < waits[-1][0] - 10
+    for at, names in waits:
+        for line in body[:at]:
+            assert not any(re.search(rf"\b{name}\b", line) for name in names), (names, line)
+
+
 def test_cuda_uploads_of_an_eager_model_are_waited_for_at_the_end_of_step_and_by_materialized_weights(monkeypatch):
     """No compiled forward waits for them: opt.step() makes the compute stream wait for every upload before it
     returns. A compiled model's uploads are waited for by materialized_weights() (and model.state_dict())."""
