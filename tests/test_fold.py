@@ -109,8 +109,17 @@ def test_blocks_found_only_when_identical():
 
 
 def test_a_model_that_does_not_repeat_is_traced_whole(caplog):
-    with caplog.at_level(logging.INFO, logger="socompile.capture.trace"):
+    # The handler goes on the logger itself: torch._logging.set_logs (other tests) may stop "socompile" from
+    # propagating to the root logger, where caplog listens by default.
+    logger = logging.getLogger("socompile.capture.trace")
+    level = logger.level
+    logger.addHandler(caplog.handler)
+    logger.setLevel(logging.INFO)
+    try:
         folded, full = _both(lambda: _Stack(scale_odd=True), batch=2, seq=8, options={"target": "gh200"})
+    finally:
+        logger.removeHandler(caplog.handler)
+        logger.setLevel(level)
     assert any("tracing all 7 blocks" in r.getMessage() for r in caplog.records)
     assert not any(n.name.endswith("_b4") for n in folded.backward_graph.graph.nodes)
     assert _signature(folded.ir, folded.ir.bw_order) == _signature(full.ir, full.ir.bw_order)
