@@ -72,7 +72,10 @@ class SuperOffload:
         ctx.param_objects = {index: p for index, _, p in params}
         ctx.optimizer = _owning_optimizer([p for _, _, p in params], [n for _, n, _ in params])
         self.compiled.append(ctx)
-        return _compile(gm, example_inputs, ctx)
+        compiled = _compile(gm, example_inputs, ctx)
+        if not torch.is_grad_enabled() and ctx.optimizer is not None:
+            return _with_committed_weights(compiled, ctx.optimizer)
+        return compiled
 
     def _check_dynamo_graph(self, gm: fx.GraphModule) -> None:
         """Graph breaks inside the compiled region and recompile storms: say where, and what to do."""
@@ -87,6 +90,25 @@ class SuperOffload:
         limit = self.options.recompile_warn_after
         if limit and count == limit:
             log.warning(errors.recompile_message(count))
+
+
+def _with_committed_weights(compiled, optimizer):
+    """A graph compiled under ``torch.no_grad()`` (evaluation) is an inference graph: AOTAutograd never
+    partitions it, so none of the training passes run (no weight fetches, no upload waits), and flow
+    parameters of a separate host master hold 0 bytes between uses. Run it with every weight in place, as
+    ``opt.materialized_weights()`` gives them (cast from the master, uploads waited for), freed after."""
+    import weakref
+
+    owner = weakref.ref(optimizer)
+
+    def run(*args):
+        opt = owner()
+        if opt is None:
+            return compiled(*args)
+        with opt.materialized_weights():
+            return compiled(*args)
+    run._boxed_call = getattr(compiled, "_boxed_call", False)   # Dynamo passes a list to boxed functions
+    return run
 
 
 def _owning_optimizer(params: list[torch.nn.Parameter], names: list[str]):

@@ -816,3 +816,20 @@ def test_a_final_step_of_bf16_weights_writes_them_in_the_kernel_pass_and_a_commi
         assert copies == ([] if step == 1 else [True])
         assert torch.equal(bucket.weights, bucket.master.to(torch.bfloat16))
         assert all(p.data_ptr() == bucket.view(bucket.weights, i).data_ptr() for i, p in enumerate(params))
+
+
+@pytest.mark.parametrize("compute", ["eager", "inductor"])
+def test_evaluation_under_no_grad_of_a_separate_master_reads_the_committed_weights(compute):
+    """An inference graph gets none of the training passes (no fetches): the backend runs it with the weights
+    materialized, so flow parameters (0 bytes between uses) read their committed values and are freed after."""
+    model, opt, backend = train("separate", options=dict(weight_mode="flow:0,2,5", prefetch_distance=1),
+                                compute=compute)
+    x, _ = batches(1)[0]
+    with opt.materialized_weights(), torch.no_grad():
+        expected = model(x)
+    cmodel = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        out = cmodel(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-5 if compute == "inductor" else 0)
+    flow = [b for b in opt.buckets if b.flow]
+    assert flow and all(b.weights.untyped_storage().nbytes() == 0 for b in flow)
