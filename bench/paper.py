@@ -23,6 +23,14 @@ def details(model: str, seq: int, batch: int, target: str = "gh200", **opts):
     return ctx, plan_with_details(ctx.ir, get_profile(target), Options(target=target, **opts))
 
 
+def _layer_mix(p) -> str:
+    """Per-layer activation choices of a plan, e.g. 'keep/offload/selective(+offload)/recompute 29/11/0(+0)/0'."""
+    n = {c: p.prediction(f"activations_{c}_layers") for c in ("keep", "offload", "selective", "selective_offload",
+                                                              "recompute")}
+    return (f"keep/offload/selective(+offload)/recompute {n['keep']}/{n['offload']}/{n['selective']}"
+            f"(+{n['selective_offload']})/{n['recompute']}")
+
+
 def million_token_row():
     """13B at 1M tokens on 8 GH200 (ZeRO-DP x Ulysses sp=8, weight flow, activations offloaded/recomputed).
     The whole 1M-token sequence is traced under FakeTensorMode (shapes only); the planner divides token work
@@ -58,18 +66,14 @@ def main() -> None:
     redo = sum(recompute_time(lc, d.plan.activation_choice(lc.name)) for lc in d.costs.layers)
     hardware_flops = d.simulation.model_flops + d.costs.fw_flops * (redo / d.costs.fw_time if d.costs.fw_time else 0)
     rows.append(("TFLOP/s, 13B seq 4096 b4 (model FLOPs)", 600.0, d.simulation.tflops,
-                 f"MFU {d.simulation.mfu * 100:.0f}%, recompute={d.plan.recompute}"))
+                 f"MFU {d.simulation.mfu * 100:.0f}%; layers {_layer_mix(d.plan)}"))
     rows.append(("TFLOP/s, 13B seq 4096 b4 (incl. recompute)", 600.0,
                  hardware_flops / d.simulation.step_time / 1e12, "counts re-run forward like a profiler would"))
     # 4. 13B at 1M tokens on 8 GH200 at 55% MFU (ZeRO-DP + Ulysses sp=8, weight flow, offloaded checkpoints).
     d, mfu = million_token_row()
     p = d.plan
     rows.append(("MFU %, 13B at 1M tokens on 8 GH200 (Ulysses sp=8)", 55.0, mfu * 100,
-                 f"step {d.simulation.step_time:.0f} s; layers keep/offload/selective(+offload)/recompute "
-                 f"{p.prediction('activations_keep_layers')}/{p.prediction('activations_offload_layers')}/"
-                 f"{p.prediction('activations_selective_layers')}"
-                 f"(+{p.prediction('activations_selective_offload_layers')})/"
-                 f"{p.prediction('activations_recompute_layers')}; all-to-all "
+                 f"step {d.simulation.step_time:.0f} s; layers {_layer_mix(p)}; all-to-all "
                  f"{p.prediction('comm_ulysses_bytes', 0) / 1e9:.0f} GB/rank, {p.prediction('comm_busy_s', 0):.1f} s"))
     redo = sum(recompute_time(lc, p.activation_choice(lc.name)) for lc in d.costs.layers)
     executed = d.simulation.model_flops + d.costs.fw_flops * (redo / d.costs.fw_time if d.costs.fw_time else 0)
