@@ -140,6 +140,10 @@ class _Slots:
     offset: dict[fx.Node, int]
     state: dict[fx.Node, tuple[int, int]]  # parameter/buffer placeholder -> (slot, position within its slot)
 
+    def slot_of(self, node: fx.Node) -> int | None:
+        """The slot of a block node or of a block's parameter input; None outside the blocks."""
+        return self.slot[node] if node in self.slot else self.state[node][0] if node in self.state else None
+
 
 def _slots(gm: fx.GraphModule, state_slot: dict[int, tuple[int, int]]) -> _Slots:
     slot: dict[fx.Node, int] = {}
@@ -304,8 +308,7 @@ class _Builder:
 
     # The block (full index) a traced node or its copy stands for.
     def _block(self, node: fx.Node, copy: int | None) -> int | None:
-        slot = self.s.slot.get(node, self.s.state.get(node, (None,))[0])
-        return self.layout.block_of(slot, copy)
+        return self.layout.block_of(self.s.slot_of(node), copy)
 
     def _slot_of_block(self, block: int) -> tuple[int, int | None]:
         """(traced slot whose nodes stand for ``block``, copy or None)."""
@@ -319,7 +322,7 @@ class _Builder:
         reader_block = self._block(reader, copy)
         if reader_block is None or (x not in s.slot and x not in s.state):
             return self.env[(x, None)]
-        reader_slot = s.slot.get(reader, s.state.get(reader, (None,))[0])
+        reader_slot = s.slot_of(reader)
         if _is_size(x):   # equal in every block: a copy reads its own where its template does, else the same one
             return self.env[(x, copy if copy is not None and s.slot.get(x) == 2 else None)]
         kind, delta, pos = _role(x, reader_slot, s)
@@ -328,11 +331,17 @@ class _Builder:
             return self.env[(s.members[slot][pos], which)]
         return self.env[(self.state_at[(slot, pos)], which)]
 
-    def _name(self, node: fx.Node, copy: int | None) -> str:
+    def _full_index(self, node: fx.Node, copy: int | None) -> int | None:
+        """The full model's input index of an input placeholder (or of its copy); None for other nodes."""
         idx = _input_index(node) if node.op == "placeholder" else None
-        if idx is not None:
-            full = self.layout.new_index[idx] if copy is None else self.layout.copy_index[(copy, self.s.state[node][1])]
-            return f"primals_{full + 1}"
+        if idx is None:
+            return None
+        return self.layout.new_index[idx] if copy is None else self.layout.copy_index[(copy, self.s.state[node][1])]
+
+    def _name(self, node: fx.Node, copy: int | None) -> str:
+        full = self._full_index(node, copy)
+        if full is not None:
+            return f"primals_{full + 1}"      # as a trace of the full model names its inputs
         if copy is None:
             return node.name
         return f"{node.name}_b{copy}"
@@ -351,9 +360,8 @@ class _Builder:
         if new.name != name:
             raise FoldError(f"{self.phase}: node name {name} is taken")
         new.meta = _meta_without_tag(node.meta)
-        idx = _input_index(node) if node.op == "placeholder" else None
-        if idx is not None:
-            full = self.layout.new_index[idx] if copy is None else self.layout.copy_index[(copy, self.s.state[node][1])]
+        full = self._full_index(node, copy)
+        if full is not None:
             new.meta["desc"] = dataclasses.replace(node.meta["desc"], idx=full)
         self.env[(node, copy)] = new
 
@@ -400,11 +408,14 @@ def _build(gm: fx.GraphModule, s: _Slots, layout: _Layout, phase: str, output_la
            ) -> fx.GraphModule:
     builder = _Builder(s, layout, phase)
     nodes = [n for n in gm.graph.nodes if n.op != "output"]
-    labels = [s.slot.get(n, s.state.get(n, (None,))[0]) for n in nodes]
-    for position, copy in _expand_order(labels, layout.copies, f"{phase} graph"):
-        builder.emit(nodes[position], copy)
+    labels = [s.slot_of(n) for n in nodes]
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    builder.write_output(output, output_labels(output, s), rewrite_desc)
+    try:
+        for position, copy in _expand_order(labels, layout.copies, f"{phase} graph"):
+            builder.emit(nodes[position], copy)
+        builder.write_output(output, output_labels(output, s), rewrite_desc)
+    except KeyError as exc:   # the expanded order would read a node before making it
+        raise FoldError(f"{phase}: a copied node reads {exc} before it is made") from None
     builder.graph.lint()
     return fx.GraphModule(gm, builder.graph)
 
@@ -417,8 +428,7 @@ def expand(fw: fx.GraphModule, bw: fx.GraphModule, layout: _Layout) -> tuple[fx.
     _check_repeats(bw, sb, "backward")
 
     def fw_labels(output: fx.Node, s: _Slots) -> list[int | None]:
-        return [s.slot.get(v, s.state.get(v, (None,))[0]) if isinstance(v, fx.Node) else None
-                for v in output.args[0]]
+        return [s.slot_of(v) if isinstance(v, fx.Node) else None for v in output.args[0]]
 
     saved_count = [0]
 
