@@ -13,13 +13,12 @@ Used eagerly, ``step()`` takes the gradients from ``.grad`` and steps every buck
 
 ``host_master``: "shared" (fp32 CPU parameters alias the fp32 master; nothing is copied), "separate" (the
 parameters keep their dtype and device in one flat buffer per bucket; the fp32 master, gradients and moments
-stay on the host and the updated master is uploaded once a step is final; see runtime/flat_bucket.py), or
+stay on the host and the updated master is uploaded once a step is final; see runtime/host_master.py), or
 "auto" (separate as soon as one parameter is not an fp32 CPU tensor: a model on a GPU, or in bf16).
 """
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import math
 import time
@@ -31,77 +30,18 @@ from torch import nn
 
 from ..options import parse_bytes
 from ..plan.bucketize import bucketize
-from ..runtime import handles
 from ..runtime.cpu_adam import grad_stats, rollback_inplace, step_bucket
 from ..runtime.events import EventLog
 from ..runtime.flat_bucket import FlatBucket
+from ..runtime.host_master import upload_order
 from ..runtime.speculation import Speculator, clip_coefficient
 from ..runtime.worker import CPUWorker
+from . import state_dict as optimizer_state
+from .graph_claim import GraphClaim
+from .module_state import ModelStateHooks, _ModuleHook  # noqa: F401  (_ModuleHook: pickled models name it here)
+from .state_dict import torch_param_group  # noqa: F401  (imported from here by socompile.distributed)
 
 log = logging.getLogger("socompile")
-
-
-def torch_param_group(group: dict) -> dict:
-    """A param group of ``Optimizer.state_dict()`` (a fresh dict) in torch.optim.AdamW's keys."""
-    decoupled = group.pop("decoupled", True)
-    for key, value in (("amsgrad", False), ("maximize", False), ("foreach", None), ("capturable", False),
-                       ("differentiable", False), ("fused", None)):
-        group.setdefault(key, value)
-    group["decoupled_weight_decay"] = decoupled
-    return group
-
-
-class GraphClaim:
-    """The buckets one compiled backward graph feeds, addressed by a handle from inside the graph."""
-
-    def __init__(self, optimizer: "AdamW", buckets: list[FlatBucket], early_step: list[bool]):
-        self._optimizer = weakref.ref(optimizer)
-        self.buckets = buckets
-        self.early_step = early_step   # per bucket: may its step start as soon as its gradients arrive?
-        self.handle = handles.register(self)
-
-    def on_grads(self, bucket: int, segments: list[int], grads: list[torch.Tensor]) -> None:
-        opt = self._optimizer()
-        if opt is None:
-            raise RuntimeError("the socompile optimizer of this compiled model was deleted")
-        opt._on_grads(self.buckets[bucket], segments, grads, may_speculate=self.early_step[bucket])
-
-    def wait_upload(self, bucket: int) -> None:
-        """``socompile::wait_upload``: the forward is about to read this bucket's weights first; the compute
-        stream waits for their upload (CUDA; nothing to wait for on the CPU build, where uploads are copies)."""
-        flat = self.buckets[bucket]
-        if flat.wait_upload_on_compute():
-            opt = self._optimizer()
-            if opt is not None:
-                opt.events.record("fw_wait_upload", flat.index)
-
-
-class _ModuleHook:
-    """A state_dict / load_state_dict hook of a module that owns parameters of a socompile.AdamW with a separate
-    host master. It holds the optimizer weakly (a module does not keep its optimizer alive; its ``__del__``
-    removes the hooks) and a copy of it does nothing (``deepcopy(model)``: the copy's parameters are not the
-    optimizer's)."""
-
-    def __init__(self, optimizer: "AdamW | None", method: str):
-        self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
-        self.method = method
-
-    def __call__(self, module, *args):
-        opt = self._optimizer() if self._optimizer is not None else None
-        if opt is not None:
-            return getattr(opt, self.method)(module, *args)
-        return None
-
-    def __reduce__(self):
-        return (_ModuleHook, (None, self.method))
-
-
-def _owning_modules(params: list[nn.Parameter]) -> list[nn.Module]:
-    """The modules whose own ``_parameters`` hold any of ``params`` (the optimizer is given parameters, not
-    modules): one pass over the objects the garbage collector tracks, at construction."""
-    wanted = {id(p) for p in params}
-    return [obj for obj in gc.get_objects() if issubclass(type(obj), nn.Module)
-            and any(id(p) in wanted for p in obj._parameters.values() if p is not None)]
 
 
 class AdamW(torch.optim.Optimizer):
@@ -175,14 +115,7 @@ class AdamW(torch.optim.Optimizer):
         self._rebuild_pool()
         # Separate host master: the model's state_dict() / load_state_dict() go through the host master (flow
         # parameters hold no bytes between uses; a loaded stationary weight must reach the master too).
-        self._module_hooks = []
-        self._loading: dict[int, list] = {}
-        if self.host_master == "separate":
-            for module in _owning_modules(self._all_params()):
-                self._module_hooks += [
-                    module.register_state_dict_post_hook(_ModuleHook(self, "_module_state_dict")),
-                    module.register_load_state_dict_pre_hook(_ModuleHook(self, "_module_load_pre")),
-                    module.register_load_state_dict_post_hook(_ModuleHook(self, "_module_load_post"))]
+        self._model_state = ModelStateHooks(self) if self.host_master == "separate" else None
 
     # ----------------------------------------------------------------- layout
     def _all_params(self) -> list[nn.Parameter]:
@@ -380,7 +313,7 @@ class AdamW(torch.optim.Optimizer):
         if self._validating():
             self._validate_and_finish(buckets)
         else:
-            for bucket in self._upload_order(buckets):
+            for bucket in upload_order(buckets):
                 if not bucket.stepped:
                     self._step_now(bucket, 1.0)
                 self._upload_final(bucket)
@@ -400,21 +333,13 @@ class AdamW(torch.optim.Optimizer):
         if bucket.dirty and self._sharding is None:
             bucket.upload()
 
-    @staticmethod
-    def _upload_order(buckets: list[FlatBucket]) -> list[FlatBucket]:
-        """Buckets in the order the next forward first reads them (``fw_rank``, set by passes/wait_uploads.py),
-        then the others in reverse gradient order (the forward order of an eager model), so that the uploads
-        on the h2d stream arrive in the order the forward waits for them."""
-        ranked = sorted((b for b in buckets if b.fw_rank is not None), key=lambda b: b.fw_rank)
-        return ranked + [b for b in reversed(buckets) if b.fw_rank is None]
-
     def _upload(self, buckets: list[FlatBucket]) -> None:
         """Separate host master: upload every bucket whose master still changed since its last upload (ZeRO's
         all-gather, a loaded state), then make the compute stream wait for the uploads that no compiled forward
         waits for itself (``graph_waits_upload``: passes/wait_uploads.py puts that wait right before the
         bucket's first read), so eager use reads the new weights (CUDA: queued waits, no host block; CPU
         build: the copies are already done)."""
-        for bucket in self._upload_order(buckets):
+        for bucket in upload_order(buckets):
             if bucket.dirty:
                 bucket.upload()
         for bucket in buckets:
@@ -463,7 +388,7 @@ class AdamW(torch.optim.Optimizer):
             self.last_step_skipped, self.last_step_clipped = False, scale < 1.0
             # Each bucket is final here, one by one: its upload is issued at once (overlapping the next
             # buckets' commits or redone steps), in the order the next forward reads them.
-            for bucket in self._upload_order(buckets):
+            for bucket in upload_order(buckets):
                 if bucket.speculated and scale < 1.0:
                     self._roll_back(bucket)
                     self._step_now(bucket, scale)
@@ -538,153 +463,12 @@ class AdamW(torch.optim.Optimizer):
 
         A ZeRO-sharded optimizer holds only its shards of the moments: use socompile.distributed.save / load
         (torch.distributed.checkpoint), or ``full_optimizer_state_dict`` to gather this layout on one rank."""
-        self._wait_pending()
-        if any(b.sharded for b in self.buckets):
-            raise RuntimeError("state_dict() of a ZeRO-sharded socompile.AdamW: this rank holds only its shards "
-                               "of exp_avg/exp_avg_sq. Save with socompile.distributed.save(dir, model, opt) "
-                               "(torch.distributed.checkpoint, every rank writes its shards), or gather "
-                               "torch.optim.AdamW's layout on rank 0 with "
-                               "socompile.distributed.full_optimizer_state_dict(opt).")
-        # Read the buckets' *current* buffers: a ping-pong commit swaps them, so views taken earlier may point
-        # at the spare. The step count lives in the bucket too.
-        for p, state in self.state.items():
-            slot = self._slot.get(id(p))
-            if slot is None or "step" not in state:
-                continue
-            bucket, i = slot
-            self._alias_state(bucket, i, state)
-            state["step"] = torch.tensor(float(bucket.steps[i]), dtype=torch.float32)
-            if bucket.mirror and p.dtype != torch.float32:
-                state["master"] = bucket.view(bucket.master, i)   # the fp32 weights the bf16 ones round
-        out = super().state_dict()
-        out["param_groups"] = [torch_param_group(group) for group in out["param_groups"]]
-        return out
+        return optimizer_state.save(self)
 
     def load_state_dict(self, state_dict) -> None:
         """Load a state dict of socompile.AdamW or of torch.optim.AdamW (same layout). Parameters without a
         state in it start fresh (step 0, zero moments), as in torch."""
-        self._wait_pending()
-        groups = []
-        for n, group in enumerate(state_dict["param_groups"]):
-            for key in ("amsgrad", "maximize", "capturable", "differentiable"):
-                if group.get(key):
-                    raise ValueError(f"the state dict's param group {n} has {key}=True, which socompile.AdamW does "
-                                     f"not implement; load it into torch.optim.AdamW, or train with {key}=False")
-            group = {k: v for k, v in group.items()
-                     if k not in ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
-                                  "decoupled_weight_decay")}
-            group["decoupled"] = state_dict["param_groups"][n].get(
-                "decoupled", state_dict["param_groups"][n].get("decoupled_weight_decay", True))
-            groups.append(group)
-        # Separate host master: the parameters may have been loaded meanwhile (socompile.load loads the model
-        # first): take the master from them before torch's loader runs (it casts "master" to the parameter's
-        # dtype), then from the fp32 "master" this state dict may carry (bf16 parameters).
-        masters = {}
-        for n, saved in state_dict["state"].items():
-            if isinstance(saved, dict) and isinstance(saved.get("master"), torch.Tensor):
-                masters[n] = saved["master"]
-        for bucket in self.buckets:
-            bucket.pull_from_weights()
-        super().load_state_dict({"state": state_dict["state"], "param_groups": groups})
-        order = [p for group in self.param_groups for p in group["params"]]
-        saved_ids = [k for group in state_dict["param_groups"] for k in group["params"]]
-        raw = {}    # the saved moments as saved: torch's loader cast them to the parameter's dtype (bf16)
-        for key, p in zip(saved_ids, order):
-            slot = self._slot.get(id(p))
-            if key in masters and slot is not None and slot[0].mirror:
-                bucket, i = slot
-                bucket.view(bucket.master, i).copy_(masters[key].reshape(p.shape))
-                bucket.master_changed()
-            self.state.get(p, {}).pop("master", None)
-            if isinstance(state_dict["state"].get(key), dict):
-                raw[id(p)] = state_dict["state"][key]
-        # torch's loader put the saved tensors into self.state: copy them into the buckets, then alias.
-        for bucket in self.buckets:
-            for i, p in enumerate(bucket.params):
-                state = self.state.get(p)
-                if not state or "step" not in state:
-                    bucket.state_part(bucket.exp_avg, i).zero_()
-                    bucket.state_part(bucket.exp_avg_sq, i).zero_()
-                    bucket.steps[i] = 0
-                    self.state.pop(p, None)
-                    continue
-                held = bucket.held(i)   # sharded: copy this rank's part of the whole moments
-                for key, buffer in (("exp_avg", bucket.exp_avg), ("exp_avg_sq", bucket.exp_avg_sq)):
-                    if held is not None:
-                        bucket.state_part(buffer, i).copy_(raw.get(id(p), state)[key].reshape(-1)[held[0]:held[1]]
-                                                           .view_as(bucket.state_part(buffer, i)))
-                self._alias_state(bucket, i, state)
-                bucket.steps[i] = int(float(state["step"]))
-                state["step"] = torch.tensor(float(bucket.steps[i]), dtype=torch.float32)
-        self._upload(self.buckets)
-        self.wait_uploads()
-
-    # ------------------------------------------------- the model's state dict (separate host master)
-    def _own(self, module: nn.Module, prefix: str, keys) -> list[tuple[str, nn.Parameter, FlatBucket, int]]:
-        """(state dict key, parameter, bucket, segment) of ``module``'s own parameters that this optimizer
-        holds with a separate device buffer, for the keys present."""
-        out = []
-        for name, p in module._parameters.items():
-            slot = self._slot.get(id(p)) if p is not None else None
-            if slot is None or prefix + name not in keys:
-                continue
-            bucket, i = slot
-            if bucket.mirror and bucket.weights is not None and bucket.params[i] is p:
-                out.append((prefix + name, p, bucket, i))
-        return out
-
-    @staticmethod
-    def _holds_nothing(bucket: FlatBucket) -> bool:
-        return bucket.flow and not bucket.weights.untyped_storage().nbytes()
-
-    def _module_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
-        """State dict post-hook: a flow parameter's entry (its storage holds 0 bytes between uses) becomes a
-        fresh tensor of its committed value, the master cast to its dtype on its device (as the next fetch
-        would give it); stationary weights are the device buffer itself, once its upload is waited for."""
-        for key, p, bucket, i in self._own(module, prefix, state_dict):
-            if self._holds_nothing(bucket):
-                state_dict[key] = bucket.view(bucket.master, i).to(device=p.device, dtype=p.dtype, copy=True)
-            else:
-                bucket.wait_upload_on_compute()
-
-    def _module_load_pre(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected,
-                         error_msgs) -> None:
-        """Load pre-hook: a flow parameter gets a temporary buffer of its own for torch's loader to copy into
-        (its storage holds 0 bytes); a stationary one is loaded into its device buffer once the upload in
-        flight there is done. The post-hook moves the loaded values into the host master."""
-        own = self._own(module, prefix, state_dict)
-        if not own:
-            return
-        if local_metadata.get("assign_to_params_buffers"):
-            raise RuntimeError(
-                "load_state_dict(..., assign=True) on a model trained by socompile.AdamW with a separate host "
-                "master would replace the parameters, which are views of the optimizer's device buffers. Load "
-                "without assign=True (the values are copied into the host master and the device copy), or use "
-                "socompile.load(path, model, opt).")
-        self._wait_pending()
-        loading = []
-        for key, p, bucket, i in own:
-            held = None
-            if self._holds_nothing(bucket):
-                held, p.data = p.data, torch.empty_like(p)
-            else:
-                bucket.wait_upload_on_compute()
-            loading.append((key, p, bucket, i, held))
-        self._loading.setdefault(id(module), []).append((loading, error_msgs, len(error_msgs)))
-
-    def _module_load_post(self, module, incompatible_keys) -> None:
-        stack = self._loading.get(id(module))
-        if not stack:
-            return
-        loading, error_msgs, errors_before = stack.pop()
-        if not stack:
-            del self._loading[id(module)]
-        failed = error_msgs[errors_before:]
-        for key, p, bucket, i, held in loading:
-            if not any(key in message for message in failed):   # torch's loader names the key it could not copy
-                bucket.load_segment(i, p.detach())
-            if held is not None:
-                p.data = held   # the 0-byte view of the device buffer again
+        optimizer_state.load(self, state_dict)
 
     @contextlib.contextmanager
     def materialized_weights(self, pull: bool = False):
@@ -704,7 +488,7 @@ class AdamW(torch.optim.Optimizer):
             self.wait_uploads()
 
     def __del__(self):
-        for handle in getattr(self, "_module_hooks", ()):
-            handle.remove()
+        if getattr(self, "_model_state", None) is not None:
+            self._model_state.remove()
         if getattr(self, "_worker", None) is not None:
             self._worker.shutdown()

@@ -1,0 +1,237 @@
+"""The copies between a bucket's host master and its device: gradients in, the updated master out.
+
+NOTE: host master, "shared" or "separate" (mirror). Shared (the default for fp32 CPU parameters): the parameters
+alias ``master`` (runtime/flat_bucket.py). Separate (parameters on a GPU, or not fp32, or forced): the bucket
+keeps a flat ``weights`` buffer in the parameters' own dtype and device, and each parameter's ``.data`` is a view
+of it (one copy per bucket moves them); ``master``, ``grad``, the moments and the spare stay on the host (pinned
+on CUDA). Gradients arriving from the device are copied into the host ``grad`` (``receive_many``: on CUDA a
+non_blocking copy on the runtime's "d2h" stream whose event the CPU step waits on, ``wait_grads``; on the CPU a
+plain copy), and once a step is final ``upload`` casts the master into ``weights`` (on CUDA a non_blocking copy
+on the "h2d" stream, issued as soon as this bucket's step is final; the compute stream waits for its event right
+before the next forward's first read of the bucket, ``socompile::wait_upload`` of passes/wait_uploads.py, or at
+the end of ``opt.step()`` for a bucket no compiled forward waits for, ``graph_waits_upload``). A ping-pong commit
+then swaps ``master`` only: parameters stay views of ``weights``. Weight-flow buckets (``flow``) keep no device
+bytes between uses: the storage of ``weights`` is resized to 0 (as FSDP2 does; tensor metadata stays, so Dynamo's
+guards still match), and each use fetches the master (runtime/offload.py). A device-stepped bucket (``site ==
+"device"``) keeps master, gradient and moments on the device; its parameters alias ``master`` when they are fp32,
+else ``weights`` is a device copy cast from ``master`` after each step.
+
+``HostMasterCopies`` is the part of ``FlatBucket`` (runtime/flat_bucket.py, which inherits it) that does these
+copies; it uses the bucket's layout (``master``, ``grad``, ``numel``, ``segment``, ``view``, ``params``,
+``has_grad``) and placement (``mirror``, ``site``, ``flow``, ``runtime``, ``dtype``, ``device``).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def upload_order(buckets: list) -> list:
+    """Buckets in the order the next forward first reads them (``fw_rank``, set by passes/wait_uploads.py),
+    then the others in reverse gradient order (the forward order of an eager model), so that the uploads
+    on the h2d stream arrive in the order the forward waits for them."""
+    ranked = sorted((b for b in buckets if b.fw_rank is not None), key=lambda b: b.fw_rank)
+    return ranked + [b for b in reversed(buckets) if b.fw_rank is None]
+
+
+class HostMasterCopies:
+    """The host master's copies of a ``FlatBucket`` (its base class): see the NOTE above."""
+
+    def _init_host_copies(self, total: int) -> None:
+        # mirror mode: the parameters' flat device buffer (None: the parameters alias ``master``)
+        self.weights = None
+        if self.mirror and not (self.site == "device" and self.dtype == torch.float32):
+            self.weights = torch.zeros(total, dtype=self.dtype, device=self.device)
+        self.dirty = False             # master changed since the last upload
+        self.grad_event = None         # CUDA: the D2H copy of the last gradients (the CPU step waits on it)
+        self.upload_event = None       # CUDA: the last upload (host buffers it reads are not rewritten before it)
+        self._upload_waited = True     # the compute stream was told to wait for upload_event
+        self.graph_waits_upload = False   # a compiled forward waits for the upload before its first read of the
+        #                                   bucket (passes/wait_uploads.py); else opt.step() makes compute wait
+        self.fw_rank = None            # position of the bucket's first read in the compiled forward (upload order)
+        self._pending_adds: list[int] = []   # CUDA accumulation: segments staged in _stage32, to add to grad
+        self._stage32 = None
+        self._stage16 = None           # CUDA bf16 weights: pinned bf16 copy of master, uploaded as is
+        self._low_synced = True        # the bf16 copy the kernel may write (weights on the CPU, _stage16 on CUDA)
+        #                                equals master cast to bf16
+
+    def _cuda_host(self) -> bool:
+        """Host buffers that the runtime's copy streams read or write asynchronously (pinned)."""
+        return self.mirror and self.site == "cpu" and self.runtime is not None and self.runtime.kind == "cuda"
+
+    def low_out(self) -> torch.Tensor | None:
+        """Where a final in-place kernel step may write the bf16 copy of the updated master in the same pass:
+        the device weights themselves on the CPU build (they are host memory) for a stationary bucket; the
+        (pinned) bf16 stage that is uploaded as is on CUDA, and that a flow bucket's fetches read; None when the
+        weights are not bf16 or the bucket is stepped on the device. Only valid while that copy is in sync with
+        the master (else the whole bucket is cast at upload)."""
+        if self.weights is None or self.site != "cpu" or self.dtype != torch.bfloat16:
+            return None
+        if not self._low_synced:
+            return None
+        if self.flow or (self.runtime is not None and self.runtime.kind == "cuda"):
+            return self._stage16
+        return self.weights
+
+    def link_source(self, dtype: torch.dtype) -> torch.Tensor:
+        """What a flow fetch in ``dtype`` reads: the bf16 stage when it holds the master cast to bf16 (half the
+        bytes cross the link; the cast was done on the host, by the step's kernel or at upload), else the master
+        (the copy converts)."""
+        if self._stage16 is not None and self._low_synced and dtype == torch.bfloat16:
+            return self._stage16
+        return self.master
+
+    def master_changed(self) -> None:
+        """Something other than the kernel wrote the master: every copy of it must be made again."""
+        self.dirty, self._low_synced = True, False
+
+    def _sync_stage16(self) -> None:
+        if self._stage16 is None:
+            self._stage16 = (self.runtime.host_buffer(self.numel, torch.bfloat16) if self.runtime is not None
+                             else torch.empty(self.numel, dtype=torch.bfloat16))
+            self._low_synced = False
+        if not self._low_synced:
+            self.before_host_write()
+            self._stage16.copy_(self.master)
+            self._low_synced = True
+
+    def before_host_write(self) -> None:
+        """Before the kernel rewrites master / the bf16 stage: the upload that reads them must be done (CUDA)."""
+        if self.upload_event is not None:
+            self.upload_event.synchronize()
+            self.upload_event = None
+
+    def upload(self) -> None:
+        """Make the device weights equal to the master cast to their dtype (round to nearest even), once the
+        master is final. CPU build: a plain copy (none when the kernel already wrote the bf16 copy). CUDA: a
+        non_blocking copy from pinned memory on the "h2d" stream, after the compute stream passed this bucket's
+        last read (its gradient event); ``wait_upload_on_compute`` orders the next forward after it."""
+        self.dirty = False
+        if self.flow and self.dtype == torch.bfloat16:   # no upload; the bf16 stage the next fetch reads
+            self._sync_stage16()
+            return
+        if not self.mirror or self.weights is None or self.flow:
+            return
+        if self.site == "device":          # a device-side cast on the current stream
+            self.weights.copy_(self.master)
+            return
+        rt = self.runtime
+        if rt is None or rt.kind == "cpu":
+            if self.dtype != torch.bfloat16 or not self._low_synced:
+                self.weights.copy_(self.master)
+            self._low_synced = True
+            return
+        src = self.master
+        if self.dtype == torch.bfloat16:   # cast on the host: half the bytes cross the link
+            self._sync_stage16()
+            src = self._stage16
+        h2d = rt.stream("h2d")
+        if self.grad_event is not None:    # the compute stream is past the last read of these weights
+            h2d.wait_event(self.grad_event)
+        self.upload_event = rt.copy_async(self.weights, src, h2d)
+        self._upload_waited = False
+
+    @property
+    def upload_pending(self) -> bool:
+        """An upload was issued that the compute stream has not been told to wait for yet (CUDA only)."""
+        return self.upload_event is not None and not self._upload_waited
+
+    def wait_upload_on_compute(self) -> bool:
+        """The compute stream waits (no host block) for this bucket's upload before it reads the weights; once
+        per upload. True when a wait was queued now."""
+        if self.upload_event is not None and not self._upload_waited:
+            self.runtime.wait_on_compute(self.upload_event)
+            self._upload_waited = True
+            return True
+        return False
+
+    def free_weights(self) -> None:
+        """A flow bucket's device weights hold no bytes between uses (the storage is resized to 0; the views'
+        sizes and strides stay, so guards on them still match; reading one is an invalid access)."""
+        if self.weights is not None and self.flow:
+            self.weights.untyped_storage().resize_(0)
+
+    @contextlib.contextmanager
+    def materialized(self, pull: bool = False):
+        """A flow bucket's device weights, filled from the master, for as long as the block runs (checkpoints,
+        eager evaluation); with ``pull``, values written into the parameters meanwhile go back into the master."""
+        if self.weights is None or not self.flow or self.weights.untyped_storage().nbytes():
+            yield
+            if pull:
+                self.pull_from_weights()
+            return
+        self.weights.untyped_storage().resize_(self.numel * self.weights.element_size())
+        try:
+            self.weights.copy_(self.master)
+            yield
+            if pull:
+                self.pull_from_weights()
+        finally:
+            self.free_weights()
+
+    def pull_from_weights(self, segments: list[int] | None = None) -> None:
+        """The master from the parameters (after something wrote the weights directly, e.g. a model
+        ``load_state_dict``): exact for fp32 weights; bf16 weights give their bf16 values. ``segments``: only
+        those parameters (default: all)."""
+        if self.weights is None or not self.weights.untyped_storage().nbytes():
+            return   # parameters alias the master, or flow weights that hold nothing (see ``materialized``)
+        self.wait_upload_on_compute()   # CUDA: an upload still writing the weights is ordered before the read
+        self.before_host_write()
+        for i in range(len(self.params)) if segments is None else segments:
+            seg = self.segment(i)
+            self.master[seg].copy_(self.weights[seg])
+        self.master_changed()
+
+    def load_segment(self, i: int, value: torch.Tensor) -> None:
+        """Parameter i's master from ``value`` (its shape; any dtype and device), e.g. a flow parameter loaded
+        by ``model.load_state_dict``; the copies of the master are made again (``master_changed``)."""
+        self.before_host_write()
+        self.view(self.master, i).copy_(value.detach().reshape(self.params[i].shape))
+        self.master_changed()
+
+    def receive(self, i: int, grad: torch.Tensor, accumulate: bool) -> None:
+        """Store a gradient for parameter i (copy, or add when accumulating micro-batches)."""
+        self.receive_many([i], [grad], accumulate)
+
+    def receive_many(self, segments: list[int], grads: list[torch.Tensor], accumulate: bool) -> None:
+        """Store gradients (copy, or add when accumulating and the segment already has one). A gradient on
+        another device than ``grad`` (CUDA -> pinned host) is copied asynchronously on the runtime's "d2h"
+        stream after the compute stream's work so far; ``wait_grads`` waits for that copy's event (and adds
+        staged micro-batches). Anything else is a plain copy, converting the dtype (bf16 -> fp32)."""
+        remote = [g.device for g in grads if g.device != self.grad.device]
+        if remote and not self._cuda_host():
+            raise RuntimeError(f"socompile: bucket {self.index} got a gradient on {remote[0]} but has no CUDA "
+                               f"runtime to copy it to the host; this is a bug")
+        if self._cuda_host():
+            self.wait_grads()                  # a staged micro-batch is added before its stage is reused
+            pairs = []
+            for i, g in zip(segments, grads):
+                seg = self.segment(i)
+                add = accumulate and self.has_grad[i]
+                if add:
+                    if self._stage32 is None:
+                        self._stage32 = self.runtime.host_buffer(self.numel, torch.float32)
+                    self._pending_adds.append(i)
+                pairs.append(((self._stage32 if add else self.grad)[seg], g.reshape(-1)))
+                self.has_grad[i] = True
+            self.grad_event = self.runtime.copy_many_async(pairs, self.runtime.stream("d2h"))
+            return
+        for i, g in zip(segments, grads):
+            dst = self.grad[self.segment(i)]
+            if accumulate and self.has_grad[i]:
+                dst.add_(g.reshape(-1))
+            else:
+                dst.copy_(g.reshape(-1))
+            self.has_grad[i] = True
+
+    def wait_grads(self) -> None:
+        """Block this host thread until the bucket's gradient copy (CUDA event) is done; add staged
+        micro-batches. A no-op on the CPU build and for device-stepped buckets."""
+        if self.grad_event is None:
+            return
+        self.grad_event.synchronize()
+        for i in self._pending_adds:
+            seg = self.segment(i)
+            self.grad[seg].add_(self._stage32[seg])
+        self._pending_adds.clear()
