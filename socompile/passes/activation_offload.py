@@ -1,0 +1,329 @@
+"""Activation offload: the two passes that move offloaded layers' saved tensors to host memory in forward
+and back in backward, and the checker of what they wrote. Separate from activations.py (which tags layers for
+recompute in the joint graph, before partitioning) because these run later, as registered passes, on the
+partitioned graphs, with a runtime of their own (runtime/activation_offload.py).
+
+**offload** is applied by two passes on the partitioned graphs::
+
+    forward (activation_offload_forward), for each saved-for-backward tensor t produced in an offloaded layer L:
+        t = <layer compute>
+        h = socompile.offload_activation(rt, "layers.3", t)       # right after t: device->host copy queued
+        ... the forward goes on (and may still read t) ...
+        socompile.offload_wait(rt, L, [h..], [t..])               # once the next offloaded layer has produced
+                                                                  # its saved tensors (last layer: at the end);
+                                                                  # t is freed right after
+        return (..., h, ...)                                      # the host copy is what autograd saves
+
+    backward (activation_offload_backward), per offloaded layer L, in the order the backward reaches them:
+        ticket = socompile.prefetch_activations(rt, L, [h_1..h_k])  # when the layer before L (in backward order)
+                                                                  # starts: host->device copies overlap it
+        t_i = socompile.wait_activation(rt, L, i, h_i, ticket, device)  # before the first use of h_i
+        ... every use of h_i reads t_i ...
+
+Tensors that are not offloaded: parameters and views of them (weights are the planner's business, weight flow
+streams them), graph inputs, tensors that are also returned to the user, and tensors whose layout a flat buffer
+cannot hold (overlapping or expanded strides).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from torch import fx
+
+from ..ops import activation_ops  # noqa: F401  (registers socompile::offload_activation / prefetch / wait)
+from .activations import OFFLOADED, layer_of
+from .registry import register
+
+log = logging.getLogger("socompile")
+
+FW_NAME = "activation_offload_forward"
+BW_NAME = "activation_offload_backward"
+PREFETCH_AHEAD = 1                         # offloaded layers fetched ahead of the one the backward is in
+
+
+@dataclasses.dataclass(frozen=True)
+class Offloaded:
+    layer: str
+    index: int           # position among the layer's offloaded tensors in forward order
+    device: torch.device
+
+
+def _runtime(ctx):
+    rt = getattr(ctx, "activation_offload", None)
+    if rt is None:
+        from ..runtime.activation_offload import ActivationOffloadRuntime
+        weights = ctx.offload
+        rt = ActivationOffloadRuntime(weights.device, ledger=weights.ledger, events=weights.events)
+        weights.activations = rt      # kept alive as long as the weight runtime (the optimizer's claim holds it)
+        ctx.activation_offload = rt
+    return rt
+
+
+def _repeated_layers(ctx, layers) -> list[str]:
+    """Every repeated layer group of the compiled model (from its parameter names), ``layers`` included."""
+    from ..plan.analysis import is_repeated_layer, layer_group
+    names = (getattr(ctx, "param_names", None) or {}).values()
+    return sorted({layer_group(n) for n in names if is_repeated_layer(n)} | set(layers))
+
+
+def _layer_starts(gm: fx.GraphModule, layers) -> dict[str, fx.Node]:
+    """The first node of each layer group in the graph."""
+    out: dict[str, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            layer = layer_of(node, layers)
+            if layer is not None and layer not in out:
+                out[layer] = node
+    return out
+
+
+def _first_gradients(gm: fx.GraphModule, ctx) -> dict[str, fx.Node]:
+    """Per layer group, the backward node that produces the first of its parameters' gradients (from the IR)."""
+    from ..plan.analysis import is_repeated_layer, layer_group
+    nodes = {n.name: n for n in gm.graph.nodes}
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    out: dict[str, fx.Node] = {}
+    for param, key in (getattr(ctx.ir, "grad_node", None) or {}).items():
+        node = nodes.get(key.split(":", 1)[1])
+        if node is None or not is_repeated_layer(param):
+            continue
+        layer = layer_group(param)
+        if layer not in out or position[node] < position[out[layer]]:
+            out[layer] = node
+    return out
+
+
+def _is_saved_output(desc) -> bool:
+    return type(desc).__name__ == "SavedForBackwardsAOTOutput"
+
+
+def _root(node: fx.Node) -> fx.Node:
+    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
+        node = node.args[0]
+    return node
+
+
+@register(FW_NAME, phase="fw")
+def activation_offload_forward(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
+    from ..runtime.activation_offload import offloadable
+    from .weight_flow import _Builder
+    layers = [layer for layer, choice in plan.activations if choice in OFFLOADED]
+    if not layers or getattr(ctx, "offload", None) is None:
+        return gm
+    if BW_NAME in ctx.options.disable_passes:
+        log.warning("socompile: %s is disabled, so activations are not offloaded either", BW_NAME)
+        return gm
+    rt = _runtime(ctx)
+    build = _Builder(gm, FW_NAME)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    outputs = list(output.args[0])
+    descs = output.meta.get("desc")
+    if descs is None:     # no descriptors: the saved tensors are the backward's non-tangent placeholders
+        saved_names = {n.name for n in ctx.backward_graph.graph.nodes
+                       if n.op == "placeholder" and "tangents" not in n.name}
+        saved = [isinstance(a, fx.Node) and a.name in saved_names for a in outputs]
+    else:
+        saved = [_is_saved_output(d) for d in descs]
+    returned = {a for a, s in zip(outputs, saved) if not s and isinstance(a, fx.Node)}
+    plan_map: dict[str, Offloaded] = {}
+    per_layer: dict[str, int] = {}
+    offloads: dict[str, list[fx.Node]] = {}    # layer -> its offload nodes, in forward order
+    for position, (arg, is_saved) in enumerate(zip(outputs, saved)):
+        if not is_saved or not isinstance(arg, fx.Node) or arg in returned or arg.name in plan_map:
+            continue
+        val = arg.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not offloadable(val) or _root(arg).op == "placeholder":
+            continue
+        layer = layer_of(arg, layers)
+        if layer is None:
+            continue
+        index = per_layer.get(layer, 0)
+        per_layer[layer] = index + 1
+        with gm.graph.inserting_after(arg):
+            host = build.call(torch.ops.socompile.offload_activation.default, (rt.handle, layer, arg),
+                              f"{layer} offloads its activations: saved {tuple(val.shape)} {val.dtype} "
+                              f"goes to host memory", arg)
+        if build.fake is not None:
+            with build.fake:
+                host.meta["val"] = torch.empty_strided(val.size(), val.stride(), dtype=val.dtype, device="cpu")
+        outputs[position] = host
+        plan_map[arg.name] = Offloaded(layer, index, val.device)
+        offloads.setdefault(layer, []).append(host)
+    output.args = (tuple(outputs),)
+    # Each offloaded layer's copies are waited for when the layer after next starts (the last layers': before
+    # the forward returns): the next layer's compute overlaps them, and at most two layers' offloaded tensors
+    # are on the device at once.
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    for hosts in offloads.values():
+        hosts.sort(key=position.__getitem__)
+    starts = _layer_starts(gm, _repeated_layers(ctx, layers))
+    sequence = sorted(starts, key=lambda layer: position[starts[layer]])
+    for layer in sorted(offloads, key=lambda layer: position[offloads[layer][0]]):
+        last = offloads[layer][-1]
+        k = sequence.index(layer) if layer in sequence else -1
+        later = sequence[k + 2] if 0 <= k and k + 2 < len(sequence) else None
+        if later is not None and position[starts[later]] > position[last]:
+            where = gm.graph.inserting_before(starts[later])
+            why = f"{layer}: its copies to host memory are done before {later} starts"
+        else:
+            where = gm.graph.inserting_before(output)
+            why = f"{layer}: its copies to host memory are done before the forward returns"
+        keepalive = [h.args[2] for h in offloads[layer]]
+        with where:
+            build.call(torch.ops.socompile.offload_wait.default, (rt.handle, layer, offloads[layer], keepalive),
+                       f"{why}; its device tensors are freed here", last)
+    ctx.activation_offloaded = plan_map
+    log.info("socompile: %d saved tensor(s) of %d layer(s) offloaded to host memory", len(plan_map), len(per_layer))
+    return gm
+
+
+@register(BW_NAME, phase="bw")
+def activation_offload_backward(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
+    from .weight_flow import _Builder
+    offloaded: dict[str, Offloaded] = getattr(ctx, "activation_offloaded", None) or {}
+    if not offloaded:
+        return gm
+    rt = _runtime(ctx)
+    build = _Builder(gm, BW_NAME)
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    holders = {n.name: n for n in nodes if n.op == "placeholder" and n.name in offloaded}
+    missing = sorted(set(offloaded) - set(holders))
+    if missing:
+        raise RuntimeError(f"socompile: offloaded activations {missing} are not inputs of the backward graph")
+    first_compute = next(n for n in nodes if n.op != "placeholder")
+
+    def first_use(h: fx.Node) -> fx.Node:
+        return min(h.users, key=position.__getitem__) if h.users else first_compute
+
+    by_layer: dict[str, list[fx.Node]] = {}
+    for h in holders.values():
+        by_layer.setdefault(offloaded[h.name].layer, []).append(h)
+    uses = {h: first_use(h) for h in holders.values()}
+    for hs in by_layer.values():      # copied back in the order the backward needs them (the stream is FIFO)
+        hs.sort(key=lambda h: (position[uses[h]], offloaded[h.name].index))
+    # the order the backward reaches the layers in (the last forward layer first)
+    start = {layer: min((uses[h] for h in hs), key=position.__getitem__) for layer, hs in by_layer.items()}
+    order = sorted(by_layer, key=lambda layer: position[start[layer]])
+    # Prefetches first, then waits: nodes inserted before the same anchor stay in insertion order, so a layer's
+    # prefetch precedes its waits even where two layers' first uses are the same node.
+    # Where: when the backward of the layer PREFETCH_AHEAD places later in the forward gets under way (its
+    # first weight gradient), so the copies overlap that layer's backward; failing that, when the offloaded
+    # layer before it in backward order starts, or at the start of backward.
+    sequence = []
+    if ctx.forward_graph is not None:
+        fw_starts = _layer_starts(ctx.forward_graph, _repeated_layers(ctx, list(by_layer)))
+        fw_pos = {n: i for i, n in enumerate(ctx.forward_graph.graph.nodes)}
+        sequence = sorted(fw_starts, key=lambda layer: fw_pos[fw_starts[layer]])
+    grads = _first_gradients(gm, ctx)
+    tickets: dict[str, fx.Node] = {}
+    for i, layer in enumerate(order):
+        k = sequence.index(layer) if layer in sequence else -1
+        # A layer's output is the next layer's input, read as soon as the next layer's backward starts: so the
+        # first candidate that comes before the layer's first use is taken, PREFETCH_AHEAD layers later or more.
+        later = [sequence[j] for j in range(k + PREFETCH_AHEAD, len(sequence)) if k >= 0 and sequence[j] in grads
+                 and position[grads[sequence[j]]] < position[start[layer]]]
+        if later:
+            anchor, why = grads[later[0]], f"{layer}: its saved activations come back while the backward of " \
+                                           f"{later[0]} runs"
+        elif i > 0 and position[start[order[i - 1]]] < position[start[layer]]:
+            ahead = order[i - 1]
+            anchor, why = start[ahead], f"{layer}: its saved activations come back while the backward of {ahead} runs"
+        else:
+            anchor, why = first_compute, f"{layer}: its saved activations start coming back at the start of backward"
+        with gm.graph.inserting_before(anchor):
+            tickets[layer] = build.call(torch.ops.socompile.prefetch_activations.default,
+                                        (rt.handle, layer, by_layer[layer]), why, anchor)
+        if build.fake is not None:
+            with build.fake:
+                tickets[layer].meta["val"] = torch.empty(0, device="cpu")
+    for layer in order:
+        for h in by_layer[layer]:
+            info = offloaded[h.name]
+            v = h.meta.get("val")
+            if v is not None and build.fake is not None:
+                with build.fake:     # the backward receives the host copy
+                    h.meta["val"] = torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device="cpu")
+            anchor = uses[h]
+            index = by_layer[layer].index(h)     # its place in the prefetch's list
+            with gm.graph.inserting_before(anchor):
+                w = build.call(torch.ops.socompile.wait_activation.default,
+                               (rt.handle, layer, index, h, tickets[layer], info.device),
+                               f"{layer}: saved activation {index} back on the device before its first use",
+                               anchor)
+            if v is not None and build.fake is not None:
+                with build.fake:
+                    w.meta["val"] = torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device=info.device)
+            h.replace_all_uses_with(w, delete_user_cb=lambda user: user.target not in (
+                torch.ops.socompile.wait_activation.default, torch.ops.socompile.prefetch_activations.default))
+    problems = check_graphs(ctx.forward_graph if ctx.forward_graph is not None else None, gm)
+    if problems:
+        from ..plan.verify import PlanInvariantError
+        raise PlanInvariantError(problems)
+    return gm
+
+
+def _listed_by(nodes: list[fx.Node], op, arg: int) -> dict[fx.Node, list[fx.Node]]:
+    """Node -> the ``op`` nodes (in graph order) whose argument ``arg``, a list of nodes, names it."""
+    out: dict[fx.Node, list[fx.Node]] = {}
+    for n in nodes:
+        if n.target is op:
+            for t in n.args[arg]:
+                out.setdefault(t, []).append(n)
+    return out
+
+
+def check_graphs(fw: fx.GraphModule | None, bw: fx.GraphModule) -> list[str]:
+    """Invariants of offloaded activations on the rewritten graphs. Forward: every host copy is saved (a graph
+    output) and every offloaded device tensor is kept alive by exactly one ``offload_wait`` of its layer, after
+    its offload. Backward: each host copy has exactly one prefetch, before exactly one wait, and nothing but
+    those two reads it (every compute reads the fetched device tensor). Each message names the node at fault."""
+    ops = torch.ops.socompile
+    out: list[str] = []
+    if fw is not None:
+        nodes = list(fw.graph.nodes)
+        pos = {n: i for i, n in enumerate(nodes)}
+        output = nodes[-1]
+        returned = {a for a in output.args[0] if isinstance(a, fx.Node)}
+        waits = _listed_by(nodes, ops.offload_wait.default, 3)      # device tensor -> its offload_waits
+        for n in nodes:
+            if n.target is not ops.offload_activation.default:
+                continue
+            t = n.args[2]
+            if n not in returned:
+                out.append(f"forward: {n.name} offloads {t.name} but the host copy is not saved")
+            w = [x for x in waits.get(t, []) if x.args[1] == n.args[1]]
+            if len(w) != 1:
+                out.append(f"forward: {t.name} (offloaded by {n.name}) is kept alive by {len(w)} "
+                           f"socompile.offload_wait nodes of {n.args[1]}, expected 1")
+            elif pos[w[0]] < pos[n] or n not in w[0].args[2]:
+                out.append(f"forward: {w[0].name} may run before {n.name} (it must come later and take its output)")
+    nodes = list(bw.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    prefetched = _listed_by(nodes, ops.prefetch_activations.default, 2)   # host copy -> its prefetches
+    for n in nodes:
+        if n.target is not ops.wait_activation.default:
+            continue
+        h, ticket = n.args[3], n.args[4]
+        pre = prefetched.get(h, [])
+        if len(pre) != 1:
+            out.append(f"backward: saved activation {h.name} is prefetched {len(pre)} times, expected once")
+        elif pos[pre[0]] > pos[n]:
+            out.append(f"backward: {n.name} waits for {h.name} before its prefetch {pre[0].name}")
+        elif ticket is not pre[0]:
+            out.append(f"backward: {n.name} takes the ticket of {getattr(ticket, 'name', ticket)}, not of the "
+                       f"prefetch {pre[0].name} that copies {h.name}: a scheduler may run it first")
+        waits = [u for u in h.users if u.target is ops.wait_activation.default]
+        if len(waits) != 1:
+            out.append(f"backward: saved activation {h.name} has {len(waits)} waits, expected 1")
+        direct = [u.name for u in h.users if u.target not in (ops.wait_activation.default,
+                                                              ops.prefetch_activations.default)]
+        if direct:
+            out.append(f"backward: {direct} read the host copy {h.name} instead of its fetched device tensor")
+    for h, pre in prefetched.items():
+        if not any(u.target is ops.wait_activation.default for u in h.users):
+            out.append(f"backward: saved activation {h.name} is prefetched by {pre[0].name} but never waited for")
+    return out
