@@ -2,10 +2,8 @@
 
 A step is a DAG of tasks on lanes: ``gpu`` (the compute stream), ``gpu_aux`` (a second stream for casts of
 uploaded weights), ``h2d`` and ``d2h`` (the link, one lane per direction), and ``cpu0..cpuK`` (CPU optimizer
-workers; they share the CPU's memory bandwidth, so K lanes each get 1/K of it). Each lane runs its tasks in
-issue order, like a CUDA stream or a single-thread executor; a task starts when its lane is free and all its
-dependencies have finished. Replaying tasks in issue order is exact for in-order lanes because dependencies
-always point at earlier-issued tasks.
+workers; they share the CPU's memory bandwidth, so K lanes each get 1/K of it). This module builds the tasks
+from a plan; timeline.py replays them (how a lane runs its tasks) and holds the result (``SimResult``).
 
 The same builder replays three schedules on the same work (same graph times, same buckets):
 - ``superoffload``: the plan as made (GPU-resident buckets, weight flow, speculative CPU steps as gradients
@@ -35,113 +33,18 @@ all-to-all of q, k, v before each attention and of its output after it, in forwa
 after it in backward; each moves (sp-1)/sp of the local tensor and the compute waits for it. ZeRO: each bucket's
 gradients are reduce-scattered when ready, each rank steps its 1/W shard, and the updated weights are
 all-gathered, on the net lane, overlapping compute.
-
-Lanes ``h2d``, ``d2h`` and ``net:*`` serve transfers first-ready-first-served (several streams share one
-link); compute and CPU lanes run in issue order.
 """
 from __future__ import annotations
 
 import bisect
-import dataclasses
 
 from .analysis import GraphCosts
 from .cost import CostModel
 from .plan import Plan
+from .timeline import SimResult, Task, replay
 
 # DeepSpeed CPU-Adam / GraceAdam bandwidth fractions from the SuperOffload blog's Adam table (58% vs 74%).
 DEEPSPEED_ADAM_SCALE = 0.58 / 0.74
-
-
-@dataclasses.dataclass(frozen=True)
-class Task:
-    name: str
-    lane: str
-    duration: float
-    deps: tuple[int, ...]
-    kind: str          # "compute", "transfer", "adam", "cast"
-    nbytes: float = 0.0
-
-
-@dataclasses.dataclass
-class SimResult:
-    schedule: str
-    step_time: float
-    tasks: list[Task]
-    start: list[float]
-    end: list[float]
-    lane_of: list[str]
-    model_flops: float
-    peak_flops: float
-    forward_end: float
-    backward_end: float
-    cpu_lanes: int = 1
-    comm_bytes: tuple = ()        # (kind, bytes per rank) of inter-GPU traffic: "ulysses", "zero"
-
-    def busy(self, prefix: str) -> float:
-        return sum(e - s for s, e, lane in zip(self.start, self.end, self.lane_of) if lane.startswith(prefix))
-
-    @property
-    def gpu_utilisation(self) -> float:
-        busy = sum(e - s for s, e, lane in zip(self.start, self.end, self.lane_of) if lane == "gpu")
-        return busy / self.step_time if self.step_time else 0.0
-
-    @property
-    def mfu(self) -> float:
-        return self.model_flops / self.step_time / self.peak_flops if self.step_time else 0.0
-
-    @property
-    def tflops(self) -> float:
-        return self.model_flops / self.step_time / 1e12 if self.step_time else 0.0
-
-    @property
-    def exposed_tail(self) -> float:
-        """Seconds between the end of backward and the end of the step (optimizer work not hidden)."""
-        return self.step_time - self.backward_end
-
-    def summary(self) -> dict:
-        return {"schedule": self.schedule, "step_time_s": round(self.step_time, 6),
-                "forward_s": round(self.forward_end, 6), "backward_s": round(self.backward_end - self.forward_end, 6),
-                "exposed_tail_s": round(self.exposed_tail, 6), "gpu_utilisation": round(self.gpu_utilisation, 4),
-                "mfu": round(self.mfu, 4), "tflops": round(self.tflops, 2),
-                "link_h2d_busy_s": round(self.busy("h2d"), 6), "link_d2h_busy_s": round(self.busy("d2h"), 6),
-                "cpu_adam_busy_s": round(self.busy("cpu") / self.cpu_lanes, 6),
-                "comm_busy_s": round(self.busy("net"), 6), "comm_exposed_s": round(self.exposed_comm, 6),
-                **{f"comm_{k}_bytes": int(v) for k, v in self.comm_bytes}}
-
-    @property
-    def exposed_comm(self) -> float:
-        """Seconds of collectives during which the GPU compute lane is idle (not hidden by compute)."""
-        gpu = sorted((s, e) for s, e, lane in zip(self.start, self.end, self.lane_of) if lane == "gpu")
-        net = sorted((s, e) for s, e, lane in zip(self.start, self.end, self.lane_of) if lane.startswith("net"))
-        if not net:
-            return 0.0
-        merged: list[list[float]] = []
-        for s, e in net:
-            if merged and s <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], e)
-            else:
-                merged.append([s, e])
-        covered = 0.0
-        j = 0
-        for s, e in merged:
-            while j < len(gpu) and gpu[j][1] <= s:
-                j += 1
-            k = j
-            while k < len(gpu) and gpu[k][0] < e:
-                covered += max(0.0, min(e, gpu[k][1]) - max(s, gpu[k][0]))
-                k += 1
-        return sum(e - s for s, e in merged) - covered
-
-    def bucket_times(self) -> dict[int, tuple[float, float]]:
-        """bucket index -> (gradients ready or sent, optimizer step finished) in seconds from step start."""
-        out: dict[int, list[float]] = {}
-        for task, s, e in zip(self.tasks, self.start, self.end):
-            if task.kind == "adam" or task.name.startswith("grads b"):
-                idx = int(task.name.rsplit("b", 1)[1])
-                slot = out.setdefault(idx, [s, e])
-                slot[0] = min(slot[0], s)
-                slot[1] = max(slot[1], e) if task.kind == "adam" else slot[1]
-        return {k: (v[0], v[1]) for k, v in out.items()}
 
 
 class _Builder:
@@ -156,58 +59,6 @@ class _Builder:
             self._next_cpu = (self._next_cpu + 1) % self.cpu_lanes
         self.tasks.append(Task(name, lane, float(duration), tuple(d for d in deps if d is not None), kind, nbytes))
         return len(self.tasks) - 1
-
-
-SHARED_LANES = ("h2d", "d2h", "net")
-
-
-def replay(tasks: list[Task]) -> tuple[list[float], list[float]]:
-    """Start and end of every task. In-order lanes (compute, CPU workers) run their tasks in issue order; a
-    shared lane (the link directions, the network) runs whichever issued task is ready first (ties: issue
-    order), like several streams feeding one DMA engine. Dependencies point at earlier-issued tasks."""
-    import heapq
-    n = len(tasks)
-    start = [0.0] * n
-    end = [0.0] * n
-    shared = [t.lane.startswith(SHARED_LANES) for t in tasks]
-    waiting = [len(t.deps) for t in tasks]
-    users: list[list[int]] = [[] for _ in range(n)]
-    for i, t in enumerate(tasks):
-        for d in t.deps:
-            users[d].append(i)
-    # In-order lanes: a task also waits for its lane predecessor.
-    lane_next: dict[int, int] = {}
-    last_on: dict[str, int] = {}
-    for i, t in enumerate(tasks):
-        if not shared[i]:
-            prev = last_on.get(t.lane)
-            if prev is not None:
-                lane_next[prev] = i
-                waiting[i] += 1
-            last_on[t.lane] = i
-    ready_at = [0.0] * n
-    free: dict[str, float] = {}
-    heap = [(0.0, i) for i in range(n) if waiting[i] == 0]
-    heapq.heapify(heap)
-    done = 0
-    while heap:
-        key, i = heapq.heappop(heap)
-        t0 = max(ready_at[i], free.get(tasks[i].lane, 0.0))
-        if t0 > key:
-            heapq.heappush(heap, (t0, i))
-            continue
-        t1 = t0 + tasks[i].duration
-        start[i], end[i] = t0, t1
-        free[tasks[i].lane] = t1
-        done += 1
-        for u in users[i] + ([lane_next[i]] if i in lane_next else []):
-            ready_at[u] = max(ready_at[u], t1)
-            waiting[u] -= 1
-            if waiting[u] == 0:
-                heapq.heappush(heap, (max(ready_at[u], free.get(tasks[u].lane, 0.0)), u))
-    if done != n:
-        raise ValueError("simulator: a task depends on a later one (cycle)")
-    return start, end
 
 
 def _segments(times: list[float], cuts: list[int]) -> list[tuple[int, int, float]]:
