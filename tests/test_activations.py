@@ -73,6 +73,27 @@ def _compiled(choice: str, **options):
     return model, opt, backend, torch.compile(model, backend=backend)
 
 
+def _saved_by_layer(choice: str):
+    """``choice`` compiled on one batch, forward and backward: (what autograd saves, its device bytes, the saved
+    forward outputs by layer, the compile context)."""
+    model, opt, backend, cmodel = _compiled(choice)
+    x, y = batches(1)[0]
+    out, acts, device_bytes, _ = _saved(cmodel, x)
+    lm_loss(out, y).backward()
+    ctx = backend.compiled[0]
+    return acts, device_bytes, _layer_outputs(ctx.forward_graph, ctx.backward_graph, ["layers.0", "layers.1"]), ctx
+
+
+def _compiled_and_stepped(choice: str, x, y):
+    """``choice`` compiled by a first training step on (x, y): (its optimizer, the compiled model, the compile
+    context)."""
+    model, opt, backend, cmodel = _compiled(choice)
+    lm_loss(cmodel(x), y).backward()                   # compile
+    opt.step()
+    opt.zero_grad()
+    return opt, cmodel, backend.compiled[0]
+
+
 def _layer_outputs(fw, bw, layers):
     """Saved forward outputs (the backward's non-tangent inputs) by the layer that produced them."""
     saved = {n.name for n in bw.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")}
@@ -98,12 +119,7 @@ def test_each_choice_trains_like_eager_and_bitwise_like_keep(choice, keep_run):
 def test_recompute_saves_only_each_layer_output_and_recomputes_in_backward():
     counts = {}
     for choice in ("keep", "recompute"):
-        model, opt, backend, cmodel = _compiled(choice)
-        x, y = batches(1)[0]
-        out, acts, device_bytes, _ = _saved(cmodel, x)
-        lm_loss(out, y).backward()
-        ctx = backend.compiled[0]
-        by_layer = _layer_outputs(ctx.forward_graph, ctx.backward_graph, ["layers.0", "layers.1"])
+        acts, device_bytes, by_layer, ctx = _saved_by_layer(choice)
         bw_mm = sum(1 for n in ctx.backward_graph.graph.nodes if n.target is torch.ops.aten.mm.default)
         counts[choice] = (len(acts), device_bytes, by_layer, bw_mm, ctx)
     keep, rec = counts["keep"], counts["recompute"]
@@ -123,14 +139,10 @@ def test_recompute_saves_only_each_layer_output_and_recomputes_in_backward():
 
 
 def test_offload_moves_saved_layer_activations_to_host_and_the_ledger_books_them_in_flight():
-    model, opt, backend, keep_model = _compiled("keep")
     x, y = batches(1)[0]
+    *_, keep_model = _compiled("keep")
     _, keep_acts, keep_device, _ = _saved(keep_model, x)
-    model, opt, backend, cmodel = _compiled("offload")
-    lm_loss(cmodel(x), y).backward()                   # compile
-    opt.step()
-    opt.zero_grad()
-    ctx = backend.compiled[0]
+    opt, cmodel, ctx = _compiled_and_stepped("offload", x, y)
     rt = ctx.activation_offload
     assert rt.ledger is ctx.offload.ledger             # one ledger for everything the runtime holds on the device
     rt.drain()
@@ -230,12 +242,7 @@ def _attention_outputs(fw):
 def test_selective_saves_inputs_and_attention_outputs_and_recomputes_the_rest_but_attention():
     runs = {}
     for choice in ("keep", "recompute", "selective"):
-        model, opt, backend, cmodel = _compiled(choice)
-        x, y = batches(1)[0]
-        out, acts, device_bytes, _ = _saved(cmodel, x)
-        lm_loss(out, y).backward()
-        ctx = backend.compiled[0]
-        by_layer = _layer_outputs(ctx.forward_graph, ctx.backward_graph, ["layers.0", "layers.1"])
+        acts, device_bytes, by_layer, ctx = _saved_by_layer(choice)
         bw = ctx.backward_graph.graph.nodes
         runs[choice] = dict(n=len(acts), bytes=device_bytes, by_layer=by_layer, ctx=ctx,
                             mm=sum(1 for n in bw if n.target is torch.ops.aten.mm.default),
@@ -267,14 +274,10 @@ def test_selective_saves_inputs_and_attention_outputs_and_recomputes_the_rest_bu
 def test_selective_offload_moves_the_checkpoints_of_selective_layers_to_host():
     """selective_offload = selective's partition + the offload passes: what a selective layer keeps (its output,
     its attention outputs) waits in host memory; on the device only what is outside the layers stays."""
-    model, opt, backend, cmodel = _compiled("selective")
     x, y = batches(1)[0]
-    _, sel_acts, sel_device, _ = _saved(cmodel, x)
-    model, opt, backend, cmodel = _compiled("selective_offload")
-    lm_loss(cmodel(x), y).backward()                   # compile
-    opt.step()
-    opt.zero_grad()
-    ctx = backend.compiled[0]
+    *_, sel_model = _compiled("selective")
+    _, sel_acts, sel_device, _ = _saved(sel_model, x)
+    opt, cmodel, ctx = _compiled_and_stepped("selective_offload", x, y)
     rt = ctx.activation_offload
     assert ctx.activation_recomputed and ctx.plan.prediction("activations_selective_offload_layers") == 2
     out, acts, device, host = _saved(cmodel, x, rt)

@@ -300,30 +300,32 @@ def _activation_line(ctx, layers, chosen, rec_cost, sel_cost, ck_cost, off_cost,
                      forced) -> str:
     groups = {c: [lc for lc in layers if chosen[lc.name] == c]
               for c in ("keep", "offload", "selective", "selective_offload", "recompute")}
+
+    def head(choice: str) -> str:
+        """'offload 11 (layers.0..10': the choice, how many layers take it and which (the caller closes it)."""
+        return f"{choice} {len(groups[choice])} ({_names_text([x.name for x in groups[choice]])}"
+
     parts = [f"keep {len(groups['keep'])} of {len(layers)} ({_names_text([lc.name for lc in groups['keep']])})"]
     if groups["offload"]:
         lc = max(groups["offload"], key=lambda x: x.saved)
         out_t, in_t, hide_fw, hide_bw = link[lc.name]
-        parts.append(f"offload {len(groups['offload'])} ({_names_text([x.name for x in groups['offload']])}: "
-                     f"{lc.saved / GB:.2f} GB each way per layer, {out_t * 1e3:.1f} ms out under "
-                     f"{hide_fw * 1e3:.1f} ms of forward, {in_t * 1e3:.1f} ms in under {hide_bw * 1e3:.1f} ms of "
+        parts.append(f"{head('offload')}: {lc.saved / GB:.2f} GB each way per layer, {out_t * 1e3:.1f} ms out "
+                     f"under {hide_fw * 1e3:.1f} ms of forward, {in_t * 1e3:.1f} ms in under {hide_bw * 1e3:.1f} ms of "
                      f"backward: {off_cost[lc.name] * 1e3:.1f} ms exposed vs {rec_cost[lc.name] * 1e3:.1f} ms to "
                      f"recompute; {ctx.offloaded_bytes / GB:.1f} GB pinned host memory of {room / GB:.1f} GB free)")
     if groups["selective"]:
         lc = groups["selective"][0]
-        parts.append(f"selective {len(groups['selective'])} ({_names_text([x.name for x in groups['selective']])}: "
-                     f"+{sel_cost[lc.name] * 1e3:.1f} ms each in backward instead of {rec_cost[lc.name] * 1e3:.1f} ms "
-                     f"(attention {lc.attention_time * 1e3:.1f} ms not re-run), keeps "
+        parts.append(f"{head('selective')}: +{sel_cost[lc.name] * 1e3:.1f} ms each in backward instead of "
+                     f"{rec_cost[lc.name] * 1e3:.1f} ms (attention {lc.attention_time * 1e3:.1f} ms not re-run), keeps "
                      f"{(lc.boundary + lc.attention_saved) / GB:.2f} GB: input and attention outputs"
                      f"{'; options.activations=' + repr(forced) if forced == 'selective' else ''})")
     if groups["selective_offload"]:
         lc = groups["selective_offload"][0]
         ck = _checkpoint_bytes(lc)
-        parts.append(f"selective_offload {len(groups['selective_offload'])} "
-                     f"({_names_text([x.name for x in groups['selective_offload']])}: as selective, its "
-                     f"{ck / GB:.2f} GB of checkpoints (output, attention outputs) in host memory, "
-                     f"+{ck_cost[lc.name] * 1e3:.1f} ms each in backward with the link time not hidden; "
-                     f"{ctx.offloaded_bytes / GB:.1f} GB pinned host memory of {room / GB:.1f} GB free)")
+        parts.append(f"{head('selective_offload')}: as selective, its {ck / GB:.2f} GB of checkpoints (output, "
+                     f"attention outputs) in host memory, +{ck_cost[lc.name] * 1e3:.1f} ms each in backward with the "
+                     f"link time not hidden; {ctx.offloaded_bytes / GB:.1f} GB pinned host memory of "
+                     f"{room / GB:.1f} GB free)")
     if groups["recompute"]:
         lc = groups["recompute"][0]
         why = ("options.activations='recompute'" if forced == "recompute" else
@@ -334,9 +336,8 @@ def _activation_line(ctx, layers, chosen, rec_cost, sel_cost, ck_cost, off_cost,
                f"offload would expose {off_cost[lc.name] * 1e3:.1f} ms > {rec_cost[lc.name] * 1e3:.1f} ms")
         if forced == "auto" and sel_cost[lc.name] < rec_cost[lc.name]:
             why += (f"; selective would keep {lc.attention_saved / GB:.2f} GB more per layer, which does not fit")
-        parts.append(f"recompute {len(groups['recompute'])} ({_names_text([x.name for x in groups['recompute']])}: "
-                     f"+{rec_cost[lc.name] * 1e3:.1f} ms each in backward, keeps {lc.boundary / GB:.2f} GB input; "
-                     f"{why})")
+        parts.append(f"{head('recompute')}: +{rec_cost[lc.name] * 1e3:.1f} ms each in backward, keeps "
+                     f"{lc.boundary / GB:.2f} GB input; {why})")
     source = "pinned by the caller" if forced == "pinned" else f"options.activations={forced!r}" if forced != "auto" else (
         f"auto: all-keep needs {ctx.costs.activation_peak / GB:.1f} GB, {available / GB:.1f} GB left for "
         f"activations with every weight streamed")
