@@ -833,3 +833,15 @@ def test_evaluation_under_no_grad_of_a_separate_master_reads_the_committed_weigh
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-5 if compute == "inductor" else 0)
     flow = [b for b in opt.buckets if b.flow]
     assert flow and all(b.weights.untyped_storage().nbytes() == 0 for b in flow)
+
+
+def test_a_whole_model_pickles_and_comes_back_owned_by_no_optimizer(tmp_path):
+    """Each parameter holds a weak reference to its socompile optimizer (how the backend finds it); torch.save
+    of the whole model used to fail on it ("cannot pickle 'weakref.ReferenceType'")."""
+    model, opt, _ = train("shared")
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert all(p._socompile_owner() is None for p in loaded.parameters())
+    assert all(p._socompile_owner() is opt for p in model.parameters())

@@ -44,6 +44,23 @@ from .state_dict import torch_param_group  # noqa: F401  (imported from here by 
 log = logging.getLogger("socompile")
 
 
+class OwnerRef(weakref.ref):
+    """The weak reference from a parameter to its socompile optimizer (the backend finds the optimizer
+    through it). A plain weakref cannot be pickled, which made ``torch.save(model)`` fail; a pickled
+    parameter comes back owned by no optimizer."""
+
+    def __reduce__(self):
+        return (_no_owner, ())
+
+
+def _owner_none():
+    return None
+
+
+def _no_owner():
+    return _owner_none
+
+
 class AdamW(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, max_grad_norm: float | None = None,
@@ -105,7 +122,7 @@ class AdamW(torch.optim.Optimizer):
                 if owner is not None and owner() is not None and owner() is not self:
                     raise ValueError("a parameter is already owned by another socompile optimizer; each "
                                      "parameter may belong to one socompile optimizer only")
-                p._socompile_owner = weakref.ref(self)
+                p._socompile_owner = OwnerRef(self)
                 self._group_index[id(p)] = gi
         self._pool: list[FlatBucket] = []
         # ZeRO-style data parallelism (socompile.distributed.zero.shard_optimizer sets it): reduce-scatters each
