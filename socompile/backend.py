@@ -112,18 +112,18 @@ def _with_committed_weights(compiled, optimizer):
 
 
 def _owning_optimizer(params: list[torch.nn.Parameter], names: list[str]):
+    from .optim.owner import owner_of
+
     owners = {}
     unowned = []
     for p, name in zip(params, names):
-        ref = getattr(p, "_socompile_owner", None)
-        opt = ref() if ref is not None else None
+        opt = owner_of(p)
         if opt is None:
             if p.requires_grad:
                 unowned.append(name)
         else:
             owners[id(opt)] = opt
-    total = len(unowned) + sum(1 for p in params if getattr(p, "_socompile_owner", None) is not None
-                               and p._socompile_owner() is not None)
+    total = len(unowned) + sum(1 for p in params if owner_of(p) is not None)
     if len(owners) > 1:
         raise OffloadError("one compiled graph has parameters of several socompile optimizers; use one "
                            "socompile.AdamW with parameter groups instead")

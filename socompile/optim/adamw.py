@@ -22,7 +22,6 @@ import contextlib
 import logging
 import math
 import time
-import weakref
 from typing import Iterable
 
 import torch
@@ -39,26 +38,10 @@ from ..runtime.worker import CPUWorker
 from . import state_dict as optimizer_state
 from .graph_claim import GraphClaim
 from .module_state import ModelStateHooks, _ModuleHook  # noqa: F401  (_ModuleHook: pickled models name it here)
+from .owner import set_owner
 from .state_dict import torch_param_group  # noqa: F401  (imported from here by socompile.distributed)
 
 log = logging.getLogger("socompile")
-
-
-class OwnerRef(weakref.ref):
-    """The weak reference from a parameter to its socompile optimizer (the backend finds the optimizer
-    through it). A plain weakref cannot be pickled, which made ``torch.save(model)`` fail; a pickled
-    parameter comes back owned by no optimizer."""
-
-    def __reduce__(self):
-        return (_no_owner, ())
-
-
-def _owner_none():
-    return None
-
-
-def _no_owner():
-    return _owner_none
 
 
 class AdamW(torch.optim.Optimizer):
@@ -118,11 +101,7 @@ class AdamW(torch.optim.Optimizer):
         self._group_index: dict[int, int] = {}
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
-                owner = getattr(p, "_socompile_owner", None)
-                if owner is not None and owner() is not None and owner() is not self:
-                    raise ValueError("a parameter is already owned by another socompile optimizer; each "
-                                     "parameter may belong to one socompile optimizer only")
-                p._socompile_owner = OwnerRef(self)
+                set_owner(p, self)
                 self._group_index[id(p)] = gi
         self._pool: list[FlatBucket] = []
         # ZeRO-style data parallelism (socompile.distributed.zero.shard_optimizer sets it): reduce-scatters each
