@@ -80,6 +80,8 @@ def simulated_row(world: int = 8, seq: int = 1 << 20) -> dict:
             "step_s": sim.step_time, "forward_s": sim.forward_end, "tflops": sim.tflops, "mfu": sim.mfu,
             "keep": p.prediction("activations_keep_layers"), "offload": p.prediction("activations_offload_layers"),
             "recompute": p.prediction("activations_recompute_layers"),
+            "selective": p.prediction("activations_selective_layers")
+            + p.prediction("activations_selective_offload_layers"),
             "device_peak": p.prediction("device_peak_bytes"), "host": p.prediction("host_bytes"),
             "params": sum(b.numel for b in p.buckets)}
 
@@ -100,7 +102,7 @@ def paper_rows(simulate: bool = True) -> list[str]:
              f"paper: 55% MFU",
              f"  analytic volume per step per rank (bf16): ZeRO reduce-scatter+all-gather {zero / 1e9:.1f} GB, "
              f"Ulysses all-to-all {ulysses / 1e9:.1f} GB ({per_layer / 1e9:.2f} GB per layer, fwd+bwd; "
-             f"recomputed layers send their forward share again)"]
+             f"recomputed and selective layers send their forward share again)"]
     if not simulate:
         return lines
     r = simulated_row()
@@ -109,8 +111,8 @@ def paper_rows(simulate: bool = True) -> list[str]:
         f"    sent: Ulysses all-to-all {r['ulysses'] / 1e9:.1f} GB, ZeRO {r['zero'] / 1e9:.1f} GB; network busy "
         f"{r['busy_s']:.1f} s, {r['exposed_s']:.1f} s of it with the GPU idle",
         f"    step {r['step_s']:.1f} s (forward {r['forward_s']:.1f} s), {r['tflops']:.0f} TFLOP/s, "
-        f"MFU {r['mfu'] * 100:.1f}% (paper 55%); layers keep/offload/recompute {r['keep']}/{r['offload']}/"
-        f"{r['recompute']}; device peak {r['device_peak'] / 1e9:.1f} GB, host {r['host'] / 1e9:.0f} GB per rank",
+        f"MFU {r['mfu'] * 100:.1f}% (paper 55%); layers keep/offload/selective/recompute {r['keep']}/"
+        f"{r['offload']}/{r['selective']}/{r['recompute']}; device peak {r['device_peak'] / 1e9:.1f} GB, host {r['host'] / 1e9:.0f} GB per rank",
     ]
     return lines
 
