@@ -37,7 +37,7 @@ def trace_training_graphs(model: nn.Module, inputs: tuple, targets: tuple, loss_
         try:
             with fold_blocks.traced_subset(model, blocks):
                 fw, bw, traced_names = _trace(model, inputs, targets, loss_fn)
-            layout = fold_blocks.layout_for(traced_names, _state_names(model), blocks, len(inputs) + len(targets))
+            layout = fold_blocks.layout_for(traced_names, list(_state(model)), blocks, len(inputs) + len(targets))
             fw, bw = fold_blocks.expand(fw, bw, layout)
             return fw, bw, infos
         except fold_blocks.FoldError as exc:
@@ -46,9 +46,10 @@ def trace_training_graphs(model: nn.Module, inputs: tuple, targets: tuple, loss_
     return fw, bw, infos
 
 
-def _state_names(model: nn.Module) -> list[str]:
-    # Buffers are inputs too: under FakeTensorMode a buffer captured as a constant is rejected by AOTAutograd.
-    return [*dict(model.named_parameters()), *dict(model.named_buffers())]
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The traced graph's tensor inputs by name: parameters, then buffers (under FakeTensorMode a buffer
+    captured as a constant is rejected by AOTAutograd)."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
 
 
 def _trace(model: nn.Module, inputs: tuple, targets: tuple, loss_fn: LossFn,
@@ -56,7 +57,7 @@ def _trace(model: nn.Module, inputs: tuple, targets: tuple, loss_fn: LossFn,
     """(forward, backward, names of the parameter and buffer inputs in input order)."""
     from functorch.compile import aot_function, min_cut_rematerialization_partition
 
-    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    state = _state(model)
     names, values = list(state), list(state.values())
     n_params, n_inputs = len(values), len(inputs)
 
