@@ -11,20 +11,34 @@ Atomic: the file is written under a temporary name in the target's folder, flush
 over the target with ``os.replace`` (atomic on POSIX within one file system), and the folder is fsync'ed so
 the rename itself survives a crash. A process killed at any moment leaves either the previous file or the new
 one, never a torn one; at worst a ``.<name>.tmp-*`` file stays behind, which the next save of that name
-removes.
+removes. A write that fails (a full disk) raises ``OSError`` with the OS's reason and the path, removes the
+temporary file and leaves the previous checkpoint as it was.
+
+Verified: the file records a crc32 of every tensor (format version 2, see ``integrity.py``), and ``load`` checks
+before it changes anything that the file is complete, every tensor matches its checksum, the model's keys and
+shapes fit the model, and the optimizer state is sound (moments finite and of their parameter's shape, second
+moments >= 0, step counts non-negative integers). Refusals name the file and the entry. Files of version 1 (no
+checksums, written before) still load, with a warning that their bytes cannot be verified; re-save them.
 """
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import pathlib
+import pickle
 import tempfile
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from . import integrity
+
 FORMAT = "socompile-checkpoint"
-VERSION = 1
+VERSION = 2          # 2: per-tensor checksums ("checksums"); 1: none
+_ENTRIES = ("model", "optimizer", "extra")
+log = logging.getLogger("socompile")
 
 
 def _module(model: nn.Module) -> nn.Module:
@@ -51,13 +65,13 @@ def save(path: str | os.PathLike, model: nn.Module | None = None, optimizer=None
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
             "extra": extra,
         }
+        payload["checksums"] = {"algorithm": integrity.ALGORITHM,
+                                "tensors": integrity.records({key: payload[key] for key in _ENTRIES})}
     _remove_stale_temps(folder, path.name)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=folder)
     try:
         with os.fdopen(fd, "wb") as handle:
-            torch.save(payload, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
+            _write(payload, handle, path)
         if _before_rename is not None:
             _before_rename()
         os.replace(tmp_name, path)
@@ -71,27 +85,131 @@ def save(path: str | os.PathLike, model: nn.Module | None = None, optimizer=None
     return path
 
 
+def _write(payload: dict, handle, path: pathlib.Path) -> None:
+    """torch.save + flush + fsync; a failed write (full disk, quota, I/O error) raises OSError naming the path
+    and the OS's reason, which torch's zip writer reports only as ``unexpected pos``."""
+    try:
+        torch.save(payload, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    except (OSError, RuntimeError) as error:
+        cause = _os_error_in(error)
+        if cause is None:
+            raise
+        advice = (" (no space left on the device: free space or save elsewhere)" if cause.errno == errno.ENOSPC
+                  else "")
+        raise OSError(cause.errno, f"cannot write checkpoint {path}: {cause.strerror or cause}{advice}; "
+                      "nothing was replaced: the previous checkpoint at that path, if any, is intact") from error
+
+
+def _os_error_in(error: BaseException) -> OSError | None:
+    """The OSError behind ``error``: itself, or the one a C++ writer turned into a RuntimeError."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def load(path: str | os.PathLike, model: nn.Module | None = None, optimizer=None, *,
          strict: bool = True) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save` into ``model`` and ``optimizer`` (either may be None);
-    return the ``extra`` values. The optimizer may be ``socompile.AdamW`` or ``torch.optim.AdamW``."""
-    data = torch.load(path, map_location="cpu", weights_only=True)
+    return the ``extra`` values. The optimizer may be ``socompile.AdamW`` or ``torch.optim.AdamW``.
+
+    Everything is checked before anything is loaded (see the module docstring): a refused file changes neither
+    the model nor the optimizer. Errors name the file and the entry: RuntimeError for a file that is corrupt,
+    cut short or does not fit the model; ValueError for optimizer values that cannot be right."""
+    data = _read(path)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"{path} is not a socompile checkpoint (written by socompile.save); load it with "
                          "torch.load and call load_state_dict yourself")
     if data.get("version", 0) > VERSION:
         raise ValueError(f"{path} has checkpoint format version {data['version']}, newer than this socompile "
                          f"reads ({VERSION}); upgrade socompile")
+    _check_complete(path, data)
+    _verify_checksums(path, data)
     if model is not None:
         if data["model"] is None:
             raise ValueError(f"{path} holds no model state (saved with model=None)")
-        with _weights_of(optimizer, pull=True):   # values loaded into parameters go into a separate master
-            _module(model).load_state_dict(data["model"], strict=strict)
+        _check_model_entries(path, data["model"], _module(model), strict)
     if optimizer is not None:
         if data["optimizer"] is None:
             raise ValueError(f"{path} holds no optimizer state (saved with optimizer=None)")
+        from .optim.state_dict import check_state_dict
+        names = {id(p): name for name, p in _module(model).named_parameters()} if model is not None else None
+        check_state_dict(data["optimizer"], optimizer.param_groups, names=names, source=f"checkpoint {path}")
+    if model is not None:
+        with _weights_of(optimizer, pull=True):   # values loaded into parameters go into a separate master
+            _module(model).load_state_dict(data["model"], strict=strict)
+    if optimizer is not None:
         optimizer.load_state_dict(data["optimizer"])
     return dict(data.get("extra") or {})
+
+
+def _read(path) -> Any:
+    """torch.load, with a file that is cut short or unreadable reported as such (torch says e.g. ``[Errno 22]
+    Invalid argument`` or ``failed finding central directory``)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        raise
+    except pickle.UnpicklingError as error:
+        if "weights_only" in str(error) or "Weights only" in str(error):
+            raise   # torch's own explanation of a value it does not unpickle safely
+        raise RuntimeError(f"checkpoint {path} cannot be read ({error}): it is corrupt. Load an earlier "
+                           "checkpoint") from error
+    except (OSError, RuntimeError, EOFError, ValueError) as error:
+        size = os.path.getsize(path) if os.path.exists(path) else 0
+        raise RuntimeError(f"checkpoint {path} ({size} bytes) cannot be read: {str(error).splitlines()[0]}. "
+                           "The file is cut short or corrupt (an interrupted copy or a full disk while "
+                           "copying); load an earlier checkpoint, or copy it again") from error
+
+
+def _check_complete(path, data: dict) -> None:
+    for key in _ENTRIES:
+        if key not in data:
+            raise RuntimeError(f"checkpoint {path} is not complete: it has no {key!r} entry (socompile.save "
+                               f"writes {', '.join(map(repr, _ENTRIES))}); the file was edited or written by "
+                               "something else. Load an earlier checkpoint")
+    optimizer = data["optimizer"]
+    for key in ("state", "param_groups"):
+        if optimizer is not None and (not isinstance(optimizer, dict) or key not in optimizer):
+            raise RuntimeError(f"checkpoint {path} is not complete: its optimizer state has no {key!r} entry "
+                               "(opt.state_dict() has 'state' and 'param_groups'); the file was edited or "
+                               "written by something else. Load an earlier checkpoint")
+
+
+def _verify_checksums(path, data: dict) -> None:
+    sums = data.get("checksums")
+    if data.get("version", 0) < 2 and sums is None:
+        log.warning("checkpoint %s was written by an older socompile without checksums: its tensors cannot be "
+                    "verified (only their values are checked). Save it again to add checksums.", path)
+        return
+    if not isinstance(sums, dict) or sums.get("algorithm") != integrity.ALGORITHM:
+        raise RuntimeError(f"checkpoint {path} is corrupt: its 'checksums' entry is missing or unreadable "
+                           f"(expected {integrity.ALGORITHM} sums). Load an earlier checkpoint")
+    integrity.verify(f"checkpoint {path}", {key: data[key] for key in _ENTRIES}, sums.get("tensors") or {})
+
+
+def _check_model_entries(path, saved: dict, module: nn.Module, strict: bool) -> None:
+    """The saved model state fits the module (keys when ``strict``, shapes always), checked before any is
+    copied: torch's load_state_dict copies the entries that fit before it reports those that do not."""
+    expected = module.state_dict(keep_vars=True)
+    if strict:
+        missing = [key for key in expected if key not in saved]
+        unexpected = [key for key in saved if key not in expected]
+        if missing or unexpected:
+            raise RuntimeError(f"checkpoint {path} does not fit this model: missing keys {missing[:5]}"
+                               f"{' ...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}"
+                               f"{' ...' if len(unexpected) > 5 else ''}. Load it into the model it was saved "
+                               "from, or pass strict=False to load only the entries that match")
+    for key, value in saved.items():
+        mine = expected.get(key)
+        if isinstance(mine, torch.Tensor) and isinstance(value, torch.Tensor) and value.shape != mine.shape:
+            raise RuntimeError(f"checkpoint {path}: model entry {key!r} has shape {tuple(value.shape)}, the "
+                               f"model's {tuple(mine.shape)}. Load it into the model it was saved from")
 
 
 def _weights_of(optimizer, pull: bool = False):

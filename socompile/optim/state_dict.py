@@ -2,9 +2,12 @@
 into the flat buckets (the moments, the step counts and, for bf16 parameters, the fp32 host master)."""
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
+
+from ..integrity import bad_values
 
 if TYPE_CHECKING:
     from .adamw import AdamW
@@ -22,6 +25,72 @@ def torch_param_group(group: dict) -> dict:
         group.setdefault(key, value)
     group["decoupled_weight_decay"] = decoupled
     return group
+
+
+# Per-parameter tensors of torch.optim.AdamW's state (and socompile's fp32 "master"): the parameter's shape;
+# the second moments are averages of squares, so never negative.
+_MOMENTS = {"exp_avg": False, "exp_avg_sq": True, "max_exp_avg_sq": True, "master": False}
+
+
+def check_state_dict(state_dict, param_groups: list[dict], *, names: dict[int, str] | None = None,
+                     source: str = "the optimizer state dict") -> None:
+    """Refuse (ValueError, before anything is loaded) a state dict that would load wrong values into an
+    optimizer over ``param_groups``: missing entries, a param group of another size, a moment of another shape
+    than its parameter (a transposed one has the same number of elements), non-finite or negative second
+    moments, a step count that is not a non-negative integer. ``names``: id(parameter) -> its name, for the
+    messages; ``source`` starts them (e.g. the checkpoint's path)."""
+    for key in ("state", "param_groups"):
+        if not isinstance(state_dict, dict) or key not in state_dict:
+            raise ValueError(f"{source} has no {key!r} entry, so it is not a complete optimizer state_dict (cut "
+                             "short, or not made by opt.state_dict()); load a complete one")
+    saved_groups, state = state_dict["param_groups"], state_dict["state"]
+    if len(saved_groups) != len(param_groups):
+        raise ValueError(f"{source} has {len(saved_groups)} param group(s), the optimizer {len(param_groups)}: "
+                         "build the optimizer with the param groups it was saved with")
+    parameter_of = {}
+    for n, (saved, mine) in enumerate(zip(saved_groups, param_groups)):
+        if len(saved["params"]) != len(mine["params"]):
+            raise ValueError(f"{source}: param group {n} has {len(saved['params'])} parameter(s), the optimizer's "
+                             f"{len(mine['params'])}: build the optimizer over the model it was saved from")
+        parameter_of.update(zip(saved["params"], mine["params"]))
+    for index, entry in state.items():
+        p = parameter_of.get(index)
+        if p is None or not isinstance(entry, dict):
+            continue
+        label = f"state[{index}]" + (f" (parameter {names[id(p)]!r})" if names and id(p) in names else "")
+        _check_entry(source, label, entry, p)
+
+
+def _check_entry(source: str, label: str, entry: dict, p: torch.Tensor) -> None:
+    for key, nonnegative in _MOMENTS.items():
+        value = entry.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor) or value.shape != p.shape:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"{source}: {label}.{key} has shape {shape}, its parameter {tuple(p.shape)} (a "
+                             "state of another model, or edited); load the checkpoint saved with this model")
+        problem = bad_values(value, nonnegative)
+        if problem:
+            raise ValueError(f"{source}: {label}.{key} {problem}; " + (
+                "second moments are averages of squares, never negative" if nonnegative else
+                "training diverged before the save or the file was edited") + ": load an earlier checkpoint")
+    if any(key in entry for key in _MOMENTS) and "step" not in entry:
+        raise ValueError(f"{source}: {label} has moments but no 'step' (an incomplete state); load a complete "
+                         "checkpoint")
+    if "step" in entry:
+        _check_step(source, label, entry["step"])
+
+
+def _check_step(source: str, label: str, step) -> None:
+    try:
+        value = float(step)
+    except (TypeError, ValueError, RuntimeError):   # not a number, or a tensor of several elements
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0 and value == int(value)):
+        shown = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
+        raise ValueError(f"{source}: {label}.step is {shown!r}; a step count must be a non-negative integer "
+                         "(the file was edited or written by a broken optimizer): load an earlier checkpoint")
 
 
 def save(opt: "AdamW") -> dict:
@@ -52,6 +121,7 @@ def save(opt: "AdamW") -> dict:
 def load(opt: "AdamW", state_dict) -> None:
     """The body of ``AdamW.load_state_dict`` (see there)."""
     opt._wait_pending()
+    check_state_dict(state_dict, opt.param_groups)   # before anything changes: a refused state loses nothing
     groups = []
     for n, group in enumerate(state_dict["param_groups"]):
         for key in ("amsgrad", "maximize", "capturable", "differentiable"):
