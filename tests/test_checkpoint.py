@@ -6,6 +6,7 @@ Steps taken by torch.optim.AdamW in between differ from the kernel's by ulps (to
 correctly rounded; see test_backend_training.py), so those runs are compared at atol 1e-6, while the
 *transfer* itself (state dict out of one optimizer, into the other, and back) is checked bitwise.
 """
+import errno
 import os
 import signal
 import subprocess
@@ -222,3 +223,177 @@ def test_kill_9_during_save_leaves_the_previous_checkpoint_loadable(tmp_path, mo
     socompile.save(path, model, opt, generation=3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
     assert socompile.load(path)["generation"] == 3
+
+
+# ---------------------------------------------------------------------------------------------- integrity
+# Issue 19 case 7: a checkpoint proves it is the one that was written (a crc32 per tensor) and that its values
+# can be right; every refusal names the file and the entry, and nothing is loaded when the file is refused.
+
+def _trained(tmp_path):
+    """A tiny compiled model after two steps (every parameter has a state), saved to ckpt.pt;
+    -> (path, model, opt). Tests that need a wrong state set it in torch.optim.AdamW before the save instead,
+    so the file is intact and its checksums match."""
+    model, opt, cmodel = _make()
+    _train(cmodel, opt, batches(2))
+    path = tmp_path / "ckpt.pt"
+    socompile.save(path, model, opt, step=2)
+    return path, model, opt
+
+
+def _index_of(model, name):
+    return [n for n, _ in model.named_parameters()].index(name)
+
+
+def _fresh():
+    torch.manual_seed(7)   # not the trained model's seed: values loaded from the file are told apart
+    model = build("tiny", n_layers=1)
+    return model, socompile.AdamW(model.parameters(), bucket_size="128KB", **OPT)
+
+
+def _assert_untouched(model, opt):
+    """A refused load changed nothing: the fresh model keeps its initial values, the optimizer has no state."""
+    torch.manual_seed(7)
+    assert_same_params(model, build("tiny", n_layers=1), atol=0, rtol=0)
+    assert opt.state_dict()["state"] == {}
+
+
+def test_flipped_byte_inside_tensor_data_is_refused_naming_the_entry(tmp_path):
+    path, model, opt = _trained(tmp_path)
+    index = _index_of(model, "layers.0.attn.wk.weight")
+    moment = opt.state_dict()["state"][index]["exp_avg"].contiguous()
+    raw = bytearray(path.read_bytes())
+    start = raw.find(moment.numpy().tobytes())   # torch.save stores storages uncompressed: the bytes are there
+    assert start > 0
+    raw[start + moment.numel() * 2 + 1] ^= 0x10   # one bit in the middle of this tensor's data
+    path.write_bytes(bytes(raw))
+    fresh, fresh_opt = _fresh()
+    with pytest.raises(RuntimeError, match=rf"{path}.*optimizer\.state\[{index}\]\.exp_avg do not match the "
+                                           r"checksum.*Load an earlier checkpoint"):
+        socompile.load(path, fresh, fresh_opt)
+    _assert_untouched(fresh, fresh_opt)
+
+
+def test_transposed_moment_is_refused_naming_the_entry_and_parameter(tmp_path):
+    model, _ = _fresh()
+    opt = torch.optim.AdamW(model.parameters(), **OPT)
+    _train(model, opt, batches(1))
+    p = dict(model.named_parameters())["layers.0.attn.wk.weight"]   # (64, 128): transposed has the same numel
+    opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].t().contiguous()
+    path = socompile.save(tmp_path / "ckpt.pt", model, opt)       # intact file, wrong state
+    index = _index_of(model, "layers.0.attn.wk.weight")
+    fresh, fresh_opt = _fresh()
+    with pytest.raises(ValueError, match=rf"{path}: state\[{index}\]\.exp_avg \(parameter "
+                                         r"'layers.0.attn.wk.weight'\) has shape \(128, 64\), its parameter \(64, 128\)"):
+        socompile.load(path, fresh, fresh_opt)
+    _assert_untouched(fresh, fresh_opt)
+    with pytest.raises(ValueError, match=rf"state\[{index}\]\.exp_avg has shape"):   # the optimizer alone too
+        fresh_opt.load_state_dict(opt.state_dict())
+
+
+def test_negative_exp_avg_sq_is_refused(tmp_path):
+    model, _ = _fresh()
+    opt = torch.optim.AdamW(model.parameters(), **OPT)
+    _train(model, opt, batches(1))
+    p = dict(model.named_parameters())["layers.0.attn.wq.weight"]
+    opt.state[p]["exp_avg_sq"][3, 5] = -1e-3    # would give NaN weights (sqrt of a negative) after one step
+    path = socompile.save(tmp_path / "ckpt.pt", model, opt)
+    index = _index_of(model, "layers.0.attn.wq.weight")
+    fresh, fresh_opt = _fresh()
+    with pytest.raises(ValueError, match=rf"{path}: state\[{index}\]\.exp_avg_sq \(parameter "
+                                         r"'layers.0.attn.wq.weight'\) has 1 negative element"):
+        socompile.load(path, fresh, fresh_opt)
+    _assert_untouched(fresh, fresh_opt)
+
+
+def test_nan_step_count_is_refused(tmp_path):
+    model, _ = _fresh()
+    opt = torch.optim.AdamW(model.parameters(), **OPT)
+    _train(model, opt, batches(1))
+    opt.state[next(iter(model.parameters()))]["step"].fill_(float("nan"))
+    path = socompile.save(tmp_path / "ckpt.pt", model, opt)
+    fresh, fresh_opt = _fresh()
+    with pytest.raises(ValueError, match=rf"{path}: state\[0\]\.step \(parameter 'tok_emb.weight'\) is "
+                                         r"nan; a step count must be a "
+                                         "non-negative integer"):
+        socompile.load(path, fresh, fresh_opt)
+    _assert_untouched(fresh, fresh_opt)
+
+
+@pytest.mark.parametrize("missing", ["model", "param_groups"])
+def test_missing_entry_is_refused_as_an_incomplete_file(tmp_path, missing):
+    path, _, _ = _trained(tmp_path)
+    data = torch.load(path, weights_only=True)
+    del (data if missing == "model" else data["optimizer"])[missing]
+    torch.save(data, path)
+    fresh, fresh_opt = _fresh()
+    with pytest.raises(RuntimeError, match=rf"checkpoint {path} is not complete: .*no '{missing}' entry"):
+        socompile.load(path, fresh, fresh_opt)
+    _assert_untouched(fresh, fresh_opt)
+
+
+def test_truncated_file_is_refused_as_cut_short(tmp_path):
+    path, _, _ = _trained(tmp_path)
+    raw = path.read_bytes()
+    path.write_bytes(raw[:len(raw) // 100])
+    with pytest.raises(RuntimeError, match=rf"checkpoint {path} \(\d+ bytes\) cannot be read: .*cut short"):
+        socompile.load(path, *_fresh())
+
+
+def test_disk_full_during_save_says_so_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    path, model, opt = _trained(tmp_path)
+    real_fdopen = os.fdopen
+
+    class FullDisk:   # a file whose device fills up after 4 KB
+        def __init__(self, handle):
+            self.handle, self.written = handle, 0
+
+        def write(self, data):
+            self.written += memoryview(data).nbytes
+            if self.written > 4096:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return self.handle.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode: FullDisk(real_fdopen(fd, mode)))
+    with pytest.raises(OSError, match=rf"cannot write checkpoint {path}: No space left on device.*previous "
+                                      "checkpoint .* is intact") as caught:
+        socompile.save(path, model, opt, step=3)
+    assert caught.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
+    assert socompile.load(path, *_fresh()) == {"step": 2}
+
+
+def test_checkpoint_without_checksums_loads_with_a_warning(tmp_path, caplog):
+    path, model, opt = _trained(tmp_path)
+    data = torch.load(path, weights_only=True)   # what the previous socompile wrote: version 1, no checksums
+    del data["checksums"]
+    data["version"] = 1
+    torch.save(data, path)
+    fresh, fresh_opt = _fresh()
+    with caplog.at_level("WARNING", logger="socompile"):
+        assert socompile.load(path, fresh, fresh_opt) == {"step": 2}
+    assert f"checkpoint {path} was written by an older socompile without checksums" in caplog.text
+    assert_same_params(fresh, model, atol=0, rtol=0)
+    _assert_states_equal(fresh_opt.state_dict(), opt.state_dict())
+
+
+def test_checksums_cover_every_tensor_and_a_good_file_round_trips_exactly(tmp_path):
+    path, model, opt = _trained(tmp_path)
+    data = torch.load(path, weights_only=True)
+    names = set(data["checksums"]["tensors"])
+    assert {f"model.{n}" for n in model.state_dict()} <= names
+    assert {f"optimizer.state[{k}].{key}" for k in opt.state_dict()["state"]
+            for key in ("step", "exp_avg", "exp_avg_sq")} <= names
+    fresh, fresh_opt = _fresh()
+    assert socompile.load(path, fresh, fresh_opt) == {"step": 2}
+    assert_same_params(fresh, model, atol=0, rtol=0)
+    _assert_states_equal(fresh_opt.state_dict(), opt.state_dict())

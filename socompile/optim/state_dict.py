@@ -57,29 +57,29 @@ def check_state_dict(state_dict, param_groups: list[dict], *, names: dict[int, s
         p = parameter_of.get(index)
         if p is None or not isinstance(entry, dict):
             continue
-        label = f"state[{index}]" + (f" (parameter {names[id(p)]!r})" if names and id(p) in names else "")
-        _check_entry(source, label, entry, p)
+        owner = f" (parameter {names[id(p)]!r})" if names and id(p) in names else ""
+        _check_entry(source, f"state[{index}]", owner, entry, p)
 
 
-def _check_entry(source: str, label: str, entry: dict, p: torch.Tensor) -> None:
+def _check_entry(source: str, label: str, owner: str, entry: dict, p: torch.Tensor) -> None:
     for key, nonnegative in _MOMENTS.items():
         value = entry.get(key)
         if value is None:
             continue
         if not isinstance(value, torch.Tensor) or value.shape != p.shape:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"{source}: {label}.{key} has shape {shape}, its parameter {tuple(p.shape)} (a "
+            raise ValueError(f"{source}: {label}.{key}{owner} has shape {shape}, its parameter {tuple(p.shape)} (a "
                              "state of another model, or edited); load the checkpoint saved with this model")
         problem = bad_values(value, nonnegative)
         if problem:
-            raise ValueError(f"{source}: {label}.{key} {problem}; " + (
+            raise ValueError(f"{source}: {label}.{key}{owner} {problem}; " + (
                 "second moments are averages of squares, never negative" if nonnegative else
                 "training diverged before the save or the file was edited") + ": load an earlier checkpoint")
     if any(key in entry for key in _MOMENTS) and "step" not in entry:
-        raise ValueError(f"{source}: {label} has moments but no 'step' (an incomplete state); load a complete "
+        raise ValueError(f"{source}: {label}{owner} has moments but no 'step' (an incomplete state); load a complete "
                          "checkpoint")
     if "step" in entry:
-        _check_step(source, label, entry["step"])
+        _check_step(source, f"{label}.step{owner}", entry["step"])
 
 
 def _check_step(source: str, label: str, step) -> None:
@@ -89,7 +89,7 @@ def _check_step(source: str, label: str, step) -> None:
         value = math.nan
     if not (math.isfinite(value) and value >= 0 and value == int(value)):
         shown = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
-        raise ValueError(f"{source}: {label}.step is {shown!r}; a step count must be a non-negative integer "
+        raise ValueError(f"{source}: {label} is {shown!r}; a step count must be a non-negative integer "
                          "(the file was edited or written by a broken optimizer): load an earlier checkpoint")
 
 
