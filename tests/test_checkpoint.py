@@ -397,3 +397,44 @@ def test_checksums_cover_every_tensor_and_a_good_file_round_trips_exactly(tmp_pa
     assert socompile.load(path, fresh, fresh_opt) == {"step": 2}
     assert_same_params(fresh, model, atol=0, rtol=0)
     _assert_states_equal(fresh_opt.state_dict(), opt.state_dict())
+
+
+def _sharded_saved(tmp_path):
+    """socompile.distributed.save in one process (no process group) after two steps -> (dir, model, opt)."""
+    import socompile.distributed as sd
+    model, opt = _fresh()
+    _train(model, opt, batches(2))
+    return sd.save(tmp_path / "sharded", model, opt, step=2), model, opt
+
+
+def test_sharded_checkpoint_with_a_flipped_byte_is_refused_naming_the_entry(tmp_path):
+    import socompile.distributed as sd
+    path, model, opt = _sharded_saved(tmp_path)
+    index = _index_of(model, "layers.0.attn.wk.weight")
+    moment = opt.state_dict()["state"][index]["exp_avg_sq"].contiguous()
+    data = next(path.glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    start = raw.find(moment.numpy().tobytes())
+    assert start > 0
+    raw[start + moment.numel() * 2 + 1] ^= 0x10
+    data.write_bytes(bytes(raw))
+    with pytest.raises(RuntimeError, match=rf"sharded checkpoint {path} is corrupt: the bytes of "
+                                           rf"optim\.state\.{index}\.exp_avg_sq@0 do not match the checksum"):
+        sd.load(path, *_fresh())
+    sd.save(path, model, opt, step=2)   # written again: it loads, and equals what was saved
+    fresh, fresh_opt = _fresh()
+    assert sd.load(path, fresh, fresh_opt) == {"step": 2}
+    assert_same_params(fresh, model, atol=0, rtol=0)
+    _assert_states_equal(fresh_opt.state_dict(), opt.state_dict())
+
+
+def test_sharded_checkpoint_with_a_negative_exp_avg_sq_is_refused(tmp_path):
+    import socompile.distributed as sd
+    model, opt = _fresh()
+    _train(model, opt, batches(1))
+    index = _index_of(model, "layers.0.attn.wq.weight")
+    opt.state_dict()["state"][index]["exp_avg_sq"][2, 7] = -1e-3   # a view of the bucket: the saved state
+    path = sd.save(tmp_path / "sharded", model, opt)
+    with pytest.raises(ValueError, match=rf"sharded checkpoint {path}: optim\.state\.{index}\.exp_avg_sq has 1 "
+                                         "negative element"):
+        sd.load(path, *_fresh())

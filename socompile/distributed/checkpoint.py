@@ -14,6 +14,16 @@ What is in the directory (DCP keys):
                                       fp32: the fp32 master its (bf16) weights round, whole, like the model (the
                                       same on every rank after the all-gather: DCP writes it once)
     optim.param_groups, extra, meta   small pickled values (read back with weights_only=True)
+    checksums.<rank>                  crc32s (``integrity.py``) of what that rank wrote: each moment piece as
+                                      ``<key>@<offset>``, and (rank 0) the whole tensors: model, steps, masters
+
+Verified (format version 2): after the load every rank recomputes the crc32 of the whole tensors and of each
+saved piece that lies inside what it loaded (all of them when the world size and bucket layout are the saving
+run's, or in one process; pieces that straddle two loading ranks' windows are not verified), and checks the
+values (moments finite, second moments >= 0). A problem on any rank raises on every rank (no rank is left
+waiting in a collective), naming the directory, the entry and the rank. DCP loads in place, so a refused load
+leaves the model and optimizer partly overwritten: load another checkpoint or build them again. Version-1
+directories (no checksums) load with a warning.
 
 Separate host master: the model's tensors are views of the device ``weights`` (a weight-flow bucket's are
 refilled from the master for the save and the load, ``AdamW.materialized_weights``); after a load the master is
@@ -41,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import pathlib
 import shutil
@@ -54,10 +65,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ..checkpoint import _fsync_dir, _module
+from .. import integrity
+from ..checkpoint import _fsync_dir, _module, log
 
 FORMAT = "socompile-dcp-checkpoint"
-VERSION = 1
+VERSION = 2   # 2: "checksums.<rank>" entries; 1: none
 
 
 class _FlatPiece:
@@ -186,6 +198,8 @@ def save(path: str | os.PathLike, model=None, optimizer=None, *, group=None,
         if optimizer is not None:
             state["optim"] = {"state": {str(k): entry for k, *_, entry in _optimizer_entries(optimizer, False)},
                               "param_groups": _pack(_groups(optimizer))}
+        rank = _rank(group)
+        state[f"checksums.{rank}"] = _pack(_checksums(state, whole=rank == 0))
         _write(state, path, tmp, prev, group)
     _barrier(group)   # every rank's files are written (DCP fsyncs them) before rank 0 publishes the directory
     if _rank(group) == 0:
@@ -233,12 +247,12 @@ def load(path: str | os.PathLike, model=None, optimizer=None, *, group=None, str
         path = prev   # the last save was killed between its two renames: this is the previous checkpoint
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    state: dict[str, Any] = {"meta": b"", "extra": b""}
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    state: dict[str, Any] = {"meta": b"", "extra": b"", **{key: b"" for key in saved if key.startswith("checksums.")}}
     entries = []
     if optimizer is not None:
         _check_optimizer(optimizer)
         entries = list(_optimizer_entries(optimizer, True))
-        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         for k, *_, entry in entries:   # a checkpoint without the fp32 master: the master comes from the weights
             if "master" in entry and f"optim.state.{k}.master" not in saved:
                 del entry["master"]
@@ -250,6 +264,7 @@ def load(path: str | os.PathLike, model=None, optimizer=None, *, group=None, str
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=path, planner=_LoadPlanner(allow_partial_load=not strict),
                      process_group=group, no_dist=not _distributed())
+        _raise_on_any_rank(_verified(path, state), group)
     masters = [(bucket, i, entry["master"]) for _, _, bucket, i, entry in entries if "master" in entry]
     for bucket, i, master in masters:   # after the pull from the weights: the saved fp32 master wins
         bucket.before_host_write()
@@ -278,6 +293,86 @@ def load(path: str | os.PathLike, model=None, optimizer=None, *, group=None, str
             optimizer._alias_state(bucket, i, optimizer.state[p])
     extra = _unpack(state["extra"]) if isinstance(state["extra"], bytes) else state["extra"]
     return dict(extra or {})
+
+
+# ---------------------------------------------------------------------------------------------- integrity
+def _named_tensors(state: dict) -> list[tuple[str, Any]]:
+    """(DCP key, tensor or _FlatPiece) for the model and optimizer entries of a save/load state dict."""
+    named = [(f"model.{name}", value) for name, value in state.get("model", {}).items()]
+    for k, entry in state.get("optim", {}).get("state", {}).items():
+        named += [(f"optim.state.{k}.{key}", value) for key, value in entry.items()]
+    return [(name, value) for name, value in named if isinstance(value, (torch.Tensor, _FlatPiece))]
+
+
+def _checksums(state: dict, whole: bool) -> dict[str, tuple[int, int]]:
+    """``{name: (crc32, numel)}`` of this rank's non-empty pieces (named ``key@offset``) and, when ``whole``,
+    of the whole (replicated) tensors."""
+    named = [(f"{name}@{value.offset}", value.local) if isinstance(value, _FlatPiece) else (name, value)
+             for name, value in _named_tensors(state) if whole or isinstance(value, _FlatPiece)]
+    named = [(name, tensor) for name, tensor in named if "@" not in name or tensor.numel()]
+    sums = integrity._in_parallel(integrity.checksum, [tensor for _, tensor in named])
+    return {name: (value, tensor.numel()) for (name, tensor), value in zip(named, sums)}
+
+
+def _verified(path: pathlib.Path, state: dict) -> Exception | None:
+    """The first problem of what this rank loaded: a checksum that differs, or optimizer values that cannot be
+    right; None when all is well."""
+    saved: dict[str, tuple[int, int]] = {}
+    for key in [key for key in state if key.startswith("checksums.")]:
+        saved.update(_unpack(state[key]) if isinstance(state[key], bytes) else state[key])
+    if not saved:
+        log.warning("sharded checkpoint %s was written by an older socompile without checksums: its tensors cannot "
+                    "be verified (only their values are checked). Save it again to add checksums.", path)
+    pieces: dict[str, list[tuple[int, int, int]]] = {}   # key -> (offset, numel, crc32) of the saved pieces
+    for label, (crc, numel) in saved.items():
+        key, at, offset = label.rpartition("@")
+        if at:
+            pieces.setdefault(key, []).append((int(offset), numel, crc))
+    for name, value in _named_tensors(state):
+        for label, tensor, crc in _checkable_parts(name, value, saved, pieces.get(name, [])):
+            if integrity.checksum(tensor) != crc:
+                return RuntimeError(f"sharded checkpoint {path} is corrupt: the bytes of {label} do not match the "
+                                    "checksum written at save: they changed on disk or in a copy. Load an "
+                                    "earlier checkpoint, or copy this one again from where it was written.")
+        problem = _bad_optimizer_values(name, value)
+        if problem:
+            return ValueError(f"sharded checkpoint {path}: {name} {problem}. Load an earlier checkpoint.")
+    return None
+
+
+def _checkable_parts(name: str, value, saved: dict, pieces: list[tuple[int, int, int]]):
+    """(label, tensor, saved crc32) for what this rank can recompute: a whole tensor, or the saved pieces
+    that lie inside its own piece."""
+    if not isinstance(value, _FlatPiece):
+        return [(name, value, saved[name][0])] if name in saved else []
+    start, stop = value.offset, value.offset + value.local.numel()
+    return [(f"{name}@{offset}", value.local[offset - start:offset - start + numel], crc)
+            for offset, numel, crc in pieces if start <= offset and offset + numel <= stop]
+
+
+def _bad_optimizer_values(name: str, value) -> str | None:
+    key = name.rpartition(".")[2]
+    tensor = value.local if isinstance(value, _FlatPiece) else value
+    if not name.startswith("optim.state."):
+        return None
+    if key == "step":
+        step = float(tensor)
+        ok = math.isfinite(step) and step >= 0 and step == int(step)
+        return None if ok else f"is {step!r}; a step count must be a non-negative integer"
+    return integrity.bad_values(tensor, nonnegative=key == "exp_avg_sq")
+
+
+def _raise_on_any_rank(problem: Exception | None, group) -> None:
+    """Every rank raises when one found a problem (the others would wait for it in the next collective)."""
+    if _distributed():
+        found = [None] * dist.get_world_size(group)
+        dist.all_gather_object(found, None if problem is None else (type(problem).__name__, str(problem)), group=group)
+        first = next(((rank, item) for rank, item in enumerate(found) if item is not None), None)
+        if first is not None:
+            rank, (kind, message) = first
+            raise (ValueError if kind == "ValueError" else RuntimeError)(f"rank {rank}: {message}")
+    elif problem is not None:
+        raise problem
 
 
 # ------------------------------------------------------------------------------------------------ interop
