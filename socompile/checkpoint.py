@@ -96,7 +96,7 @@ def _write(payload: dict, handle, path: pathlib.Path) -> None:
         cause = _os_error_in(error)
         if cause is None:
             raise
-        advice = (" (no space left on the device: free space or save elsewhere)" if cause.errno == errno.ENOSPC
+        advice = (": free space on that device or save elsewhere" if cause.errno in (errno.ENOSPC, errno.EDQUOT)
                   else "")
         raise OSError(cause.errno, f"cannot write checkpoint {path}: {cause.strerror or cause}{advice}; "
                       "nothing was replaced: the previous checkpoint at that path, if any, is intact") from error

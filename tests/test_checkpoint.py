@@ -329,6 +329,49 @@ def test_missing_entry_is_refused_as_an_incomplete_file(tmp_path, missing):
     with pytest.raises(RuntimeError, match=rf"checkpoint {path} is not complete: .*no '{missing}' entry"):
         socompile.load(path, fresh, fresh_opt)
     _assert_untouched(fresh, fresh_opt)
+    if missing == "param_groups":   # the optimizer's own load_state_dict names it too (torch: KeyError)
+        with pytest.raises(ValueError, match="has no 'param_groups' entry, so it is not a complete optimizer"):
+            fresh_opt.load_state_dict(data["optimizer"])
+
+
+@pytest.mark.parametrize("edit, message", [
+    ("add", r"extra\.added has no checksum"),
+    ("remove", r"is not complete: model\.tok_emb\.weight has a checksum but is not in the file"),
+    ("retype", r"model\.tok_emb\.weight is torch\.bfloat16 \[256, 128\], but was saved as torch\.float32"),
+    ("no-sums", r"its 'checksums' entry is missing"),
+], ids=["added-tensor", "removed-tensor", "changed-dtype", "no-checksums"])
+def test_edited_file_does_not_pass_its_checksums(tmp_path, edit, message):
+    path, _, _ = _trained(tmp_path)
+    data = torch.load(path, weights_only=True)
+    if edit == "add":
+        data["extra"]["added"] = torch.zeros(3)
+    elif edit == "remove":
+        del data["model"]["tok_emb.weight"]
+    elif edit == "retype":
+        data["model"]["tok_emb.weight"] = data["model"]["tok_emb.weight"].bfloat16()
+    else:   # the version says checksums, the file has none
+        del data["checksums"]
+    torch.save(data, path)
+    fresh, fresh_opt = _fresh()
+    with pytest.raises(RuntimeError, match=rf"checkpoint {path} .*{message}"):
+        socompile.load(path, fresh, fresh_opt)
+    _assert_untouched(fresh, fresh_opt)
+
+
+@pytest.mark.parametrize("other, message", [
+    (dict(n_layers=2), r"does not fit this model: missing keys \['layers\.1\."),
+    (dict(n_layers=1, vocab_size=300), r"model entry 'tok_emb\.weight' has shape \(256, 128\), the model's "
+                                       r"\(300, 128\)"),
+], ids=["other-keys", "other-shape"])
+def test_model_that_does_not_fit_is_refused_before_anything_is_copied(tmp_path, other, message):
+    path, _, _ = _trained(tmp_path)
+    torch.manual_seed(7)
+    model = build("tiny", **other)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with pytest.raises(RuntimeError, match=rf"checkpoint {path}:? {message}"):
+        socompile.load(path, model)
+    for name, p in model.named_parameters():   # torch's load_state_dict copies the entries that fit first
+        assert torch.equal(p, before[name]), name
 
 
 def test_truncated_file_is_refused_as_cut_short(tmp_path):
@@ -438,3 +481,15 @@ def test_sharded_checkpoint_with_a_negative_exp_avg_sq_is_refused(tmp_path):
     with pytest.raises(ValueError, match=rf"sharded checkpoint {path}: optim\.state\.{index}\.exp_avg_sq has 1 "
                                          "negative element"):
         sd.load(path, *_fresh())
+
+
+def test_sharded_checkpoint_without_checksums_loads_with_a_warning(tmp_path, monkeypatch, caplog):
+    import socompile.distributed.checkpoint as dcp_checkpoint
+    monkeypatch.setattr(dcp_checkpoint, "_checksums", lambda state, whole: {})   # as version 1 wrote
+    path, model, opt = _sharded_saved(tmp_path)
+    monkeypatch.undo()
+    fresh, fresh_opt = _fresh()
+    with caplog.at_level("WARNING", logger="socompile"):
+        assert dcp_checkpoint.load(path, fresh, fresh_opt) == {"step": 2}
+    assert f"sharded checkpoint {path} was written by an older socompile without checksums" in caplog.text
+    assert_same_params(fresh, model, atol=0, rtol=0)
