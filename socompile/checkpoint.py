@@ -196,7 +196,10 @@ def _verify_checksums(path, data: dict) -> None:
 def _check_model_entries(path, saved: dict, module: nn.Module, strict: bool) -> None:
     """The saved model state fits the module (keys when ``strict``, shapes always), checked before any is
     copied: torch's load_state_dict copies the entries that fit before it reports those that do not."""
-    expected = module.state_dict(keep_vars=True)
+    # shapes only: a flow parameter's entry is a fresh copy of its weights (the optimizer's state_dict hook),
+    # dropped here before the load materializes them again
+    expected = {key: tuple(value.shape) if isinstance(value, torch.Tensor) else None
+                for key, value in module.state_dict().items()}
     if strict:
         missing = [key for key in expected if key not in saved]
         unexpected = [key for key in saved if key not in expected]
@@ -206,10 +209,10 @@ def _check_model_entries(path, saved: dict, module: nn.Module, strict: bool) -> 
                                f"{' ...' if len(unexpected) > 5 else ''}. Load it into the model it was saved "
                                "from, or pass strict=False to load only the entries that match")
     for key, value in saved.items():
-        mine = expected.get(key)
-        if isinstance(mine, torch.Tensor) and isinstance(value, torch.Tensor) and value.shape != mine.shape:
+        shape = expected.get(key)
+        if shape is not None and isinstance(value, torch.Tensor) and tuple(value.shape) != shape:
             raise RuntimeError(f"checkpoint {path}: model entry {key!r} has shape {tuple(value.shape)}, the "
-                               f"model's {tuple(mine.shape)}. Load it into the model it was saved from")
+                               f"model's {shape}. Load it into the model it was saved from")
 
 
 def _weights_of(optimizer, pull: bool = False):
