@@ -160,7 +160,7 @@ def _read(path) -> Any:
             raise   # torch's own explanation of a value it does not unpickle safely
         raise RuntimeError(f"checkpoint {path} cannot be read ({error}): it is corrupt. Load an earlier "
                            "checkpoint") from error
-    except (OSError, RuntimeError, EOFError, ValueError) as error:
+    except Exception as error:   # whatever the zip reader or unpickler trips over in a damaged file
         size = os.path.getsize(path) if os.path.exists(path) else 0
         raise RuntimeError(f"checkpoint {path} ({size} bytes) cannot be read: {str(error).splitlines()[0]}. "
                            "The file is cut short or corrupt (an interrupted copy or a full disk while "

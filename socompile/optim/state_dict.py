@@ -49,6 +49,9 @@ def check_state_dict(state_dict, param_groups: list[dict], *, names: dict[int, s
                          "build the optimizer with the param groups it was saved with")
     parameter_of = {}
     for n, (saved, mine) in enumerate(zip(saved_groups, param_groups)):
+        if not isinstance(saved, dict) or "params" not in saved:
+            raise ValueError(f"{source}: param group {n} has no 'params' entry, so it is not a complete optimizer "
+                             "state_dict; load a complete one")
         if len(saved["params"]) != len(mine["params"]):
             raise ValueError(f"{source}: param group {n} has {len(saved['params'])} parameter(s), the optimizer's "
                              f"{len(mine['params'])}: build the optimizer over the model it was saved from")
