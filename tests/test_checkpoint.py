@@ -229,12 +229,13 @@ def test_kill_9_during_save_leaves_the_previous_checkpoint_loadable(tmp_path, mo
 # Issue 19 case 7: a checkpoint proves it is the one that was written (a crc32 per tensor) and that its values
 # can be right; every refusal names the file and the entry, and nothing is loaded when the file is refused.
 
-def _trained(tmp_path):
-    """A tiny compiled model after two steps (every parameter has a state), saved to ckpt.pt;
-    -> (path, model, opt). Tests that need a wrong state set it in torch.optim.AdamW before the save instead,
-    so the file is intact and its checksums match."""
+def _trained(tmp_path, compiled=False):
+    """A tiny model after two steps of socompile.AdamW (every parameter has a state; eager unless
+    ``compiled``: a compile costs seconds, the buckets are the same), saved to ckpt.pt; -> (path, model, opt).
+    Tests that need a wrong state set it in torch.optim.AdamW before the save instead, so the file is intact
+    and its checksums match."""
     model, opt, cmodel = _make()
-    _train(cmodel, opt, batches(2))
+    _train(cmodel if compiled else model, opt, batches(2))
     path = tmp_path / "ckpt.pt"
     socompile.save(path, model, opt, step=2)
     return path, model, opt
@@ -258,7 +259,7 @@ def _assert_untouched(model, opt):
 
 
 def test_flipped_byte_inside_tensor_data_is_refused_naming_the_entry(tmp_path):
-    path, model, opt = _trained(tmp_path)
+    path, model, opt = _trained(tmp_path, compiled=True)
     index = _index_of(model, "layers.0.attn.wk.weight")
     moment = opt.state_dict()["state"][index]["exp_avg"].contiguous()
     raw = bytearray(path.read_bytes())
