@@ -17,6 +17,7 @@ check of 200 GB of moments costs about 20 s.
 """
 from __future__ import annotations
 
+import math
 import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -102,6 +103,15 @@ def bad_values(tensor: torch.Tensor, nonnegative: bool = False) -> str | None:
     negative = int((flat < 0).sum())
     first = int((flat < 0).nonzero()[0])
     return f"has {negative} negative element(s) (first at flat index {first}: {flat[first].item():.3g})"
+
+
+def is_step_count(step) -> bool:
+    """A finite, non-negative integer value (a number or a one-element tensor)."""
+    try:
+        value = float(step)
+    except (TypeError, ValueError, RuntimeError):   # not a number, or a tensor of several elements
+        return False
+    return math.isfinite(value) and value >= 0 and value == int(value)
 
 
 def _in_parallel(function, items: list) -> list:

@@ -284,7 +284,8 @@ def test_transposed_moment_is_refused_naming_the_entry_and_parameter(tmp_path):
     index = _index_of(model, "layers.0.attn.wk.weight")
     fresh, fresh_opt = _fresh()
     with pytest.raises(ValueError, match=rf"{path}: state\[{index}\]\.exp_avg \(parameter "
-                                         r"'layers.0.attn.wk.weight'\) has shape \(128, 64\), its parameter \(64, 128\)"):
+                                         r"'layers.0.attn.wk.weight'\) has shape \(128, 64\), its parameter "
+                                         r"\(64, 128\)"):
         socompile.load(path, fresh, fresh_opt)
     _assert_untouched(fresh, fresh_opt)
     with pytest.raises(ValueError, match=rf"state\[{index}\]\.exp_avg has shape"):   # the optimizer alone too
@@ -486,7 +487,7 @@ def test_sharded_checkpoint_with_a_negative_exp_avg_sq_is_refused(tmp_path):
 
 def test_sharded_checkpoint_without_checksums_loads_with_a_warning(tmp_path, monkeypatch, caplog):
     import socompile.distributed.checkpoint as dcp_checkpoint
-    monkeypatch.setattr(dcp_checkpoint, "_checksums", lambda state, whole: {})   # as version 1 wrote
+    monkeypatch.setattr(dcp_checkpoint, "_checksums", lambda state, whole: {})   # as version 1: none
     path, model, opt = _sharded_saved(tmp_path)
     monkeypatch.undo()
     fresh, fresh_opt = _fresh()

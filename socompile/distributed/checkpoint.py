@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
 import os
 import pathlib
 import shutil
@@ -248,7 +247,8 @@ def load(path: str | os.PathLike, model=None, optimizer=None, *, group=None, str
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}")
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    state: dict[str, Any] = {"meta": b"", "extra": b"", **{key: b"" for key in saved if key.startswith("checksums.")}}
+    state: dict[str, Any] = {"meta": b"", "extra": b""}
+    state.update({key: b"" for key in saved if key.startswith("checksums.")})
     entries = []
     if optimizer is not None:
         _check_optimizer(optimizer)
@@ -321,8 +321,8 @@ def _verified(path: pathlib.Path, state: dict) -> Exception | None:
     for key in [key for key in state if key.startswith("checksums.")]:
         saved.update(_unpack(state[key]) if isinstance(state[key], bytes) else state[key])
     if not saved:
-        log.warning("sharded checkpoint %s was written by an older socompile without checksums: its tensors cannot "
-                    "be verified (only their values are checked). Save it again to add checksums.", path)
+        log.warning("sharded checkpoint %s was written by an older socompile without checksums: its tensors "
+                    "cannot be verified (only their values are checked). Save it again to add checksums.", path)
     pieces: dict[str, list[tuple[int, int, int]]] = {}   # key -> (offset, numel, crc32) of the saved pieces
     for label, (crc, numel) in saved.items():
         key, at, offset = label.rpartition("@")
@@ -356,9 +356,9 @@ def _bad_optimizer_values(name: str, value) -> str | None:
     if not name.startswith("optim.state."):
         return None
     if key == "step":
-        step = float(tensor)
-        ok = math.isfinite(step) and step >= 0 and step == int(step)
-        return None if ok else f"is {step!r}; a step count must be a non-negative integer"
+        if not integrity.is_step_count(tensor):
+            return f"is {float(tensor)!r}; a step count must be a non-negative integer"
+        return None
     return integrity.bad_values(tensor, nonnegative=key == "exp_avg_sq")
 
 
@@ -366,7 +366,8 @@ def _raise_on_any_rank(problem: Exception | None, group) -> None:
     """Every rank raises when one found a problem (the others would wait for it in the next collective)."""
     if _distributed():
         found = [None] * dist.get_world_size(group)
-        dist.all_gather_object(found, None if problem is None else (type(problem).__name__, str(problem)), group=group)
+        mine = None if problem is None else (type(problem).__name__, str(problem))
+        dist.all_gather_object(found, mine, group=group)
         first = next(((rank, item) for rank, item in enumerate(found) if item is not None), None)
         if first is not None:
             rank, (kind, message) = first

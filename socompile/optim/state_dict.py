@@ -2,12 +2,11 @@
 into the flat buckets (the moments, the step counts and, for bf16 parameters, the fp32 host master)."""
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
 
-from ..integrity import bad_values
+from ..integrity import bad_values, is_step_count
 
 if TYPE_CHECKING:
     from .adamw import AdamW
@@ -70,14 +69,15 @@ def _check_entry(source: str, label: str, owner: str, entry: dict, p: torch.Tens
         if value is None:
             continue
         if not isinstance(value, torch.Tensor) or value.shape != p.shape:
-            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"{source}: {label}.{key}{owner} has shape {shape}, its parameter {tuple(p.shape)} (a "
-                             "state of another model, or edited); load the checkpoint saved with this model")
+            found = f"has shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else \
+                f"is a {type(value).__name__}, not a tensor"
+            raise ValueError(f"{source}: {label}.{key}{owner} {found}, its parameter {tuple(p.shape)} (a state "
+                             "of another model, or edited); load the checkpoint saved with this model")
         problem = bad_values(value, nonnegative)
         if problem:
-            raise ValueError(f"{source}: {label}.{key}{owner} {problem}; " + (
-                "second moments are averages of squares, never negative" if nonnegative else
-                "training diverged before the save or the file was edited") + ": load an earlier checkpoint")
+            why = ("second moments are averages of squares, never negative" if "negative" in problem else
+                   "training diverged before the save, or the file was edited")
+            raise ValueError(f"{source}: {label}.{key}{owner} {problem}; {why}: load an earlier checkpoint")
     if any(key in entry for key in _MOMENTS) and "step" not in entry:
         raise ValueError(f"{source}: {label}{owner} has moments but no 'step' (an incomplete state); load a complete "
                          "checkpoint")
@@ -86,11 +86,7 @@ def _check_entry(source: str, label: str, owner: str, entry: dict, p: torch.Tens
 
 
 def _check_step(source: str, label: str, step) -> None:
-    try:
-        value = float(step)
-    except (TypeError, ValueError, RuntimeError):   # not a number, or a tensor of several elements
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0 and value == int(value)):
+    if not is_step_count(step):
         shown = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
         raise ValueError(f"{source}: {label} is {shown!r}; a step count must be a non-negative integer "
                          "(the file was edited or written by a broken optimizer): load an earlier checkpoint")
