@@ -70,8 +70,7 @@ def save(path: str | os.PathLike, model: nn.Module | None = None, optimizer=None
     _remove_stale_temps(folder, path.name)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=folder)
     try:
-        with os.fdopen(fd, "wb") as handle:
-            _write(payload, handle, path)
+        _write(payload, fd, path)
         if _before_rename is not None:
             _before_rename()
         os.replace(tmp_name, path)
@@ -85,13 +84,15 @@ def save(path: str | os.PathLike, model: nn.Module | None = None, optimizer=None
     return path
 
 
-def _write(payload: dict, handle, path: pathlib.Path) -> None:
-    """torch.save + flush + fsync; a failed write (full disk, quota, I/O error) raises OSError naming the path
-    and the OS's reason, which torch's zip writer reports only as ``unexpected pos``."""
+def _write(payload: dict, fd: int, path: pathlib.Path) -> None:
+    """torch.save + flush + fsync + close of file descriptor ``fd``; a failed write (full disk, quota, I/O
+    error) raises OSError naming the path and the OS's reason, which torch's zip writer reports only as
+    ``unexpected pos`` (the close, which flushes what is buffered, may fail the same way: it is inside)."""
     try:
-        torch.save(payload, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(payload, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
     except (OSError, RuntimeError) as error:
         cause = _os_error_in(error)
         if cause is None:
