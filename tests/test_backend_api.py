@@ -2,6 +2,8 @@
 import json
 import logging
 import os
+import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -57,6 +59,32 @@ def test_options_come_from_socompile_environment_variables():
                                                            "SOCOMPILE_SPECULATE": "false",
                                                            "SOCOMPILE_TARGET": "h100-pcie"})
     assert (opts.bucket_size, opts.speculate, opts.target, opts.compute) == (2_000_000, False, "h100-pcie", "eager")
+
+
+def test_misspelt_socompile_environment_variable_is_an_error_naming_the_closest_option(monkeypatch):
+    # Every source of options is validated alike: dict, keyword arguments and SOCOMPILE_* variables.
+    with pytest.raises(OptionError, match="SOCOMPILE_BUCKET_SISE .*did you mean SOCOMPILE_BUCKET_SIZE"):
+        Options.resolve({}, environ={"SOCOMPILE_BUCKET_SISE": "1MB"})
+    with pytest.raises(OptionError, match="did you mean 'speculate'"):
+        socompile.SuperOffload(compute="eager", speculte=False)
+    monkeypatch.setenv("SOCOMPILE_SPECULTE", "false")
+    with pytest.raises(OptionError, match="did you mean SOCOMPILE_SPECULATE"):
+        socompile.SuperOffload(compute="eager")
+
+
+def test_socompile_variables_read_by_other_parts_are_not_options():
+    from socompile.options import NOT_OPTIONS
+    environ = {name: "x" for name in NOT_OPTIONS}
+    assert Options.resolve({}, environ={**environ, "SOCOMPILE_BUCKET_SIZE": "2MB"}).bucket_size == 2_000_000
+    # The list names every SOCOMPILE_* variable the project reads that is not an option.
+    read = set()
+    for folder in ("socompile", "socompile_ext", "bench", "examples"):
+        for path in pathlib.Path(REPO, folder).rglob("*.py"):
+            read |= set(re.findall(r"""(?:environ\.get|getenv|environ\[)\(?["'](SOCOMPILE_[A-Z0-9_]+)""",
+                                   path.read_text()))
+    assert "SOCOMPILE_ISA" in read, "the scan must find the variables the project reads"
+    options = {f"SOCOMPILE_{name.upper()}" for name in Options.__dataclass_fields__}
+    assert read - options - set(NOT_OPTIONS) == set()
 
 
 def test_model_without_parameters_gets_a_clear_error():
