@@ -65,7 +65,9 @@ class Options:
     device_memory_budget: int | str | None = None
     """Bytes the plan may put on the device; None means the target profile's device memory."""
     optimizer_threads: int | None = None
-    """OpenMP threads of the CPU optimizer kernel; None: all cores."""
+    """OpenMP threads of the CPU Adam kernel when it steps this compiled model's buckets (set for those calls
+    only, then restored: other models keep theirs); None: the process's count (socompile_ext.set_num_threads,
+    else OMP_NUM_THREADS, else all cores)."""
     speculate: bool = True
     """Start each CPU bucket's step as soon as its gradients are complete, before validation."""
     on_graph_break: str = "warn"
@@ -116,6 +118,9 @@ class Options:
                                parse_bytes(self.device_memory_budget, "device_memory_budget"))
         if self.on_graph_break not in ("warn", "error", "ignore"):
             raise OptionError(f"on_graph_break must be 'warn', 'error' or 'ignore', got {self.on_graph_break!r}")
+        if self.optimizer_threads is not None and self.optimizer_threads < 1:
+            raise OptionError(f"optimizer_threads must be >= 1 or None (the process's count), got "
+                              f"{self.optimizer_threads}")
         if self.recompile_warn_after < 0:
             raise OptionError(f"recompile_warn_after must be >= 0, got {self.recompile_warn_after}")
         if self.compute not in ("inductor", "eager"):

@@ -87,6 +87,36 @@ def test_socompile_variables_read_by_other_parts_are_not_options():
     assert read - options - set(NOT_OPTIONS) == set()
 
 
+def test_optimizer_threads_sets_the_kernel_threads_for_this_models_buckets_only(monkeypatch):
+    import socompile_ext
+    default = socompile_ext.get_num_threads()
+    pinned = default + 1          # differs from the default on any machine (OpenMP may run more threads than cores)
+    seen = []                     # (model, thread count the kernel reads) at each CPU Adam step
+
+    def spy(*args, **kwargs):
+        seen.append((current, socompile_ext.get_num_threads()))
+        return real_step(*args, **kwargs)
+
+    real_step = socompile_ext.adam_step
+    monkeypatch.setattr(socompile_ext, "adam_step", spy)
+    torch.manual_seed(0)
+    models = {"pinned": nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)), "default": nn.Linear(8, 2)}
+    threads = {"pinned": pinned, "default": None}
+    for current, model in models.items():
+        opt = socompile.AdamW(model.parameters(), lr=1e-2)
+        cmodel = torch.compile(model, backend=socompile.SuperOffload(compute="eager", gpu_buckets=0,
+                                                                     optimizer_threads=threads[current]))
+        for _ in range(2):
+            cmodel(torch.randn(4, 8)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert {n for m, n in seen if m == "pinned"} == {pinned}, seen
+    assert {n for m, n in seen if m == "default"} == {default}, seen
+    assert socompile_ext.get_num_threads() == default   # restored: the setting is process-wide
+    with pytest.raises(OptionError, match="optimizer_threads must be >= 1"):
+        Options.resolve({"optimizer_threads": 0})
+
+
 def test_model_without_parameters_gets_a_clear_error():
     cmodel = torch.compile(nn.ReLU(), backend="superoffload")
     with pytest.raises(Exception, match="has no parameters"):
