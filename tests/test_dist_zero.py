@@ -156,6 +156,32 @@ def _mismatch_worker(args: dict) -> dict:
     return {"error": None}
 
 
+def _optimizer_mismatch_worker(args: dict) -> dict:
+    import socompile
+    import socompile.distributed as sd
+    from socompile.models import build
+
+    topo = sd.init_distributed(dp=2, timeout_s=10)     # the original code hung here until this timeout
+    model = build("tiny", n_layers=1)
+    size = "40KB" if topo.rank == 0 else "1MB"           # rank 1 was started with another bucket_size
+    opt = socompile.AdamW(model.parameters(), lr=1e-3, bucket_size=size)
+    try:
+        sd.shard_optimizer(opt, topo.world_group)        # its broadcast would pair buckets of different sizes
+    except sd.PlanMismatchError as exc:
+        return {"error": str(exc), "buckets": len(opt.buckets)}
+    return {"error": None}
+
+
+def test_ranks_with_different_optimizer_bucket_size_fail_in_shard_optimizer_naming_it_on_every_rank():
+    results = run_local(f"{HERE}:_optimizer_mismatch_worker", 2, {}, timeout_s=60)
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank}:\n{r.output[-3000:]}"
+        error = r.result["error"]
+        assert error and "ranks built different socompile.AdamW optimizers" in error, error
+        assert "optimizer.bucket_size (rank 0: 40000, rank 1: 1000000)" in error, error
+        assert "optimizer.buckets.count (rank 0: 12, rank 1: 2)" in error, error
+
+
 @pytest.mark.parametrize("optimizer", [True, False], ids=["socompile-optimizer", "no-socompile-optimizer"])
 def test_ranks_compiled_with_different_options_fail_at_compile_time_naming_the_option(optimizer):
     # Without a socompile optimizer no pass runs; backend._apply_plan runs the check itself.
