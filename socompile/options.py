@@ -169,9 +169,9 @@ def _check_name(name: str, shown: str, prefix: str = "") -> None:
     names = [f.name for f in dataclasses.fields(Options)]
     if name in names:
         return
-    spell = (lambda n: prefix + n.upper()) if prefix else repr
+    spelt = {n: (prefix + n.upper()) if prefix else repr(n) for n in names}
     close = difflib.get_close_matches(name, names, n=1)
-    hint = f"did you mean {spell(close[0])}?" if close else f"valid options: {', '.join(map(spell, names))}"
+    hint = f"did you mean {spelt[close[0]]}?" if close else f"valid options: {', '.join(spelt.values())}"
     if prefix:
         hint += f" (unset it if it is not meant for socompile; other SOCOMPILE_ variables: {', '.join(NOT_OPTIONS)})"
     raise OptionError(f"unknown superoffload option {shown}: {hint}")
