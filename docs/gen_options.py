@@ -29,7 +29,7 @@ def field_docs(cls) -> dict[str, str]:
 
 def render() -> str:
     sys.path.insert(0, str(HERE.parent))
-    from socompile.options import Options
+    from socompile.options import NOT_OPTIONS, Options
 
     docs = field_docs(Options)
     annotations = {n.target.id: ast.unparse(n.annotation)
@@ -42,7 +42,9 @@ def render() -> str:
         "Pass them as `torch.compile(model, backend=\"superoffload\", options={...})`, as",
         "`socompile.SuperOffload(**options)`, or as `SOCOMPILE_<NAME>` environment variables (for launchers",
         "that can name a backend but pass no options, e.g. `SOCOMPILE_BUCKET_SIZE=32MB`). Explicit options win",
-        "over the environment. Unknown names and wrong types are errors that name the closest valid option.",
+        "over the environment. Unknown names and wrong types are errors that name the closest valid option,",
+        "from every source: a misspelt `SOCOMPILE_*` variable too. Not options (other parts read them): "
+        + ", ".join(f"`{name}`" for name in NOT_OPTIONS) + ".",
         "Sizes accept `67108864`, `\"64MB\"`, `\"2GiB\"`.",
         "",
         "| option | type | default | environment variable | meaning |",

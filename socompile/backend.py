@@ -238,6 +238,8 @@ def _apply_plan(ctx: CompileContext, fw: fx.GraphModule, bw: fx.GraphModule) -> 
                                         sites=[b.optimizer_site for b in ctx.plan.buckets],
                                         weight_modes=[b.weight_mode for b in ctx.plan.buckets])
             ctx.claim_handle = claim.handle
+            for bucket in claim.buckets:   # option optimizer_threads: the CPU kernel's threads for these buckets
+                bucket.kernel_threads = ctx.options.optimizer_threads
             _bind_runtime(ctx, claim)
             with timed("passes"):
                 fw = passes.run_passes(fw, "fw", ctx.plan, ctx)

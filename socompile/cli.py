@@ -4,13 +4,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .cli_args import CommandError, non_negative_int, positive_int, writable_file, writable_folder
+
 
 def _cmd_demo(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="socompile demo", description="train the tiny model on stdlib text")
     parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=positive_int, default=300)
+    parser.add_argument("--batch", type=positive_int, default=8)
+    parser.add_argument("--seq", type=positive_int, default=128)
     parser.add_argument("--compute", default="inductor", choices=["inductor", "eager"])
     args = parser.parse_args(argv)
     from .demo import run_demo
@@ -27,12 +29,13 @@ def _cmd_plan(argv: list[str]) -> int:
         return cmd_plan(argv)
     parser = argparse.ArgumentParser(prog="socompile plan", description="plan report, no step run")
     parser.add_argument("--model", default="tiny", help="preset name or pkg.module:function")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=positive_int, default=4)
+    parser.add_argument("--seq", type=positive_int, default=256)
     parser.add_argument("--target", default="gh200")
     parser.add_argument("--bucket-size", default="64MB")
     parser.add_argument("--json", help="also write the plan as JSON to this path")
     args = parser.parse_args(argv)
+    writable_file(args.json, "--json")
     from .offline import plan_model
     from .report import plan_json, plan_table
     ctx = plan_model(args.model, args.batch, args.seq, {"target": args.target, "bucket_size": args.bucket_size})
@@ -46,19 +49,21 @@ def _cmd_plan(argv: list[str]) -> int:
 def _cmd_dump(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="socompile dump", description="graphs before/after every pass")
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=positive_int, default=2)
+    parser.add_argument("--seq", type=positive_int, default=64)
     parser.add_argument("--target", default="gh200")
     parser.add_argument("--bucket-size", default="1MB")
     parser.add_argument("--out", default="dumps")
     parser.add_argument("--weight-mode", default="planned",
                         help="planned | stationary | flow | flow:i,j (flow shows prefetch/release nodes; it streams "
                              "CPU-stepped buckets only, so pair it with --gpu-buckets 0 on small models)")
-    parser.add_argument("--gpu-buckets", type=int, default=None, help="pin the number of device-stepped buckets")
+    parser.add_argument("--gpu-buckets", type=non_negative_int, default=None,
+                        help="pin the number of device-stepped buckets")
     parser.add_argument("--fake", action=argparse.BooleanOptionalAction, default=None,
                         help="trace under FakeTensorMode without running (default: only for models other than "
                              "the small presets); real runs compile through the backend and show every pass")
     args = parser.parse_args(argv)
+    writable_folder(args.out, "--out")   # before the compile, which would otherwise be lost
     from .report import write_dumps
     options = {"target": args.target, "bucket_size": args.bucket_size, "weight_mode": args.weight_mode,
                "gpu_buckets": args.gpu_buckets}
@@ -115,4 +120,23 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(f"usage: python -m socompile {{{','.join(commands)}}} [options]", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    return commands[argv[0]](argv[1:])
+    return _run(argv[0], commands[argv[0]], argv[1:])
+
+
+def _run(name: str, command, argv: list[str]) -> int:
+    """Run one command; bad input ends as one line on stderr naming the cause and the fix, not a traceback.
+    Usage errors (bad option values, unknown presets or targets: ValueError, OptionError and PlanError among
+    them) exit 2 like argparse's; a file that cannot be written or read exits 1."""
+    try:
+        return command(argv)
+    except CommandError as err:
+        print(f"socompile {name}: {err}", file=sys.stderr)
+        return err.exit_code
+    except ValueError as err:
+        print(f"socompile {name}: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:   # e.g. a --target profile file that cannot be read
+        path = f"{err.filename}: " if err.filename else ""
+        print(f"socompile {name}: {path}{err.strerror or err}; check the paths given on the command line",
+              file=sys.stderr)
+        return 1

@@ -2,7 +2,8 @@
 
 Options come from three places, merged in this order (later wins): the dataclass defaults, ``SOCOMPILE_*``
 environment variables (HF Trainer and Accelerate can name a backend but pass no options), and the
-``options=`` dict given to ``torch.compile``.
+``options=`` dict given to ``torch.compile``. Every source is validated alike: an unknown name, from the dict, the
+keyword arguments or a ``SOCOMPILE_*`` variable, is an ``OptionError`` naming the closest valid option.
 """
 from __future__ import annotations
 
@@ -15,6 +16,15 @@ from typing import Any, Mapping
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+# SOCOMPILE_* environment variables that are not options: other parts of the project read them. Every other
+# SOCOMPILE_* name must be an option (a misspelt one is an error, not ignored).
+NOT_OPTIONS = {
+    "SOCOMPILE_ISA": "socompile_ext/__init__.py: forces the CPU Adam kernel's SIMD path (docs/kernel.md)",
+    "SOCOMPILE_PROFILE_DIR": "socompile/plan/hardware.py: where `calibrate` stores this machine's profile",
+    "SOCOMPILE_DEEPSPEED_PYTHON": "bench/adam.py: the Python interpreter that has DeepSpeed, for the comparison",
+}
 
 
 class OptionError(ValueError):
@@ -55,7 +65,9 @@ class Options:
     device_memory_budget: int | str | None = None
     """Bytes the plan may put on the device; None means the target profile's device memory."""
     optimizer_threads: int | None = None
-    """OpenMP threads of the CPU optimizer kernel; None: all cores."""
+    """OpenMP threads of the CPU Adam kernel when it steps this compiled model's buckets (set for those calls
+    only, then restored: other models keep theirs); None: the process's count (socompile_ext.set_num_threads,
+    else OMP_NUM_THREADS, else all cores)."""
     speculate: bool = True
     """Start each CPU bucket's step as soon as its gradients are complete, before validation."""
     on_graph_break: str = "warn"
@@ -106,6 +118,9 @@ class Options:
                                parse_bytes(self.device_memory_budget, "device_memory_budget"))
         if self.on_graph_break not in ("warn", "error", "ignore"):
             raise OptionError(f"on_graph_break must be 'warn', 'error' or 'ignore', got {self.on_graph_break!r}")
+        if self.optimizer_threads is not None and self.optimizer_threads < 1:
+            raise OptionError(f"optimizer_threads must be >= 1 or None (the process's count), got "
+                              f"{self.optimizer_threads}")
         if self.recompile_warn_after < 0:
             raise OptionError(f"recompile_warn_after must be >= 0, got {self.recompile_warn_after}")
         if self.compute not in ("inductor", "eager"):
@@ -139,17 +154,27 @@ class Options:
         if isinstance(options, Options):
             return options
         merged: dict[str, Any] = dict(_from_environ(os.environ if environ is None else environ))
+        for key in options or {}:
+            _check_name(key, repr(key))
         merged.update(options or {})
-        names = [f.name for f in dataclasses.fields(cls)]
-        for key in merged:
-            if key not in names:
-                close = difflib.get_close_matches(key, names, n=1)
-                hint = f"did you mean {close[0]!r}?" if close else f"valid options: {', '.join(names)}"
-                raise OptionError(f"unknown superoffload option {key!r}: {hint}")
         return cls(**merged)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _check_name(name: str, shown: str, prefix: str = "") -> None:
+    """Raise OptionError for a name that is no option, suggesting the closest valid one (spelt as the source
+    spells it: ``prefix`` + upper case for environment variables)."""
+    names = [f.name for f in dataclasses.fields(Options)]
+    if name in names:
+        return
+    spelt = {n: (prefix + n.upper()) if prefix else repr(n) for n in names}
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f"did you mean {spelt[close[0]]}?" if close else f"valid options: {', '.join(spelt.values())}"
+    if prefix:
+        hint += f" (unset it if it is not meant for socompile; other SOCOMPILE_ variables: {', '.join(NOT_OPTIONS)})"
+    raise OptionError(f"unknown superoffload option {shown}: {hint}")
 
 
 def _from_environ(environ: Mapping[str, str]) -> dict[str, Any]:
@@ -157,11 +182,10 @@ def _from_environ(environ: Mapping[str, str]) -> dict[str, Any]:
     hints = typing.get_type_hints(Options)
     out: dict[str, Any] = {}
     for key, raw in environ.items():
-        if not key.startswith("SOCOMPILE_"):
+        if not key.startswith("SOCOMPILE_") or key in NOT_OPTIONS:
             continue
         name = key[len("SOCOMPILE_"):].lower()
-        if name not in hints:
-            continue  # other SOCOMPILE_* variables (e.g. SOCOMPILE_ISA) belong to other parts
+        _check_name(name, f"{key} (environment variable)", prefix="SOCOMPILE_")
         out[name] = _coerce_env(name, raw, hints[name])
     return out
 

@@ -2,6 +2,8 @@
 import json
 import logging
 import os
+import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -57,6 +59,62 @@ def test_options_come_from_socompile_environment_variables():
                                                            "SOCOMPILE_SPECULATE": "false",
                                                            "SOCOMPILE_TARGET": "h100-pcie"})
     assert (opts.bucket_size, opts.speculate, opts.target, opts.compute) == (2_000_000, False, "h100-pcie", "eager")
+
+
+def test_misspelt_socompile_environment_variable_is_an_error_naming_the_closest_option(monkeypatch):
+    # Every source of options is validated alike: dict, keyword arguments and SOCOMPILE_* variables.
+    with pytest.raises(OptionError, match="SOCOMPILE_BUCKET_SISE .*did you mean SOCOMPILE_BUCKET_SIZE"):
+        Options.resolve({}, environ={"SOCOMPILE_BUCKET_SISE": "1MB"})
+    with pytest.raises(OptionError, match="did you mean 'speculate'"):
+        socompile.SuperOffload(compute="eager", speculte=False)
+    monkeypatch.setenv("SOCOMPILE_SPECULTE", "false")
+    with pytest.raises(OptionError, match="did you mean SOCOMPILE_SPECULATE"):
+        socompile.SuperOffload(compute="eager")
+
+
+def test_socompile_variables_read_by_other_parts_are_not_options():
+    from socompile.options import NOT_OPTIONS
+    environ = {name: "x" for name in NOT_OPTIONS}
+    assert Options.resolve({}, environ={**environ, "SOCOMPILE_BUCKET_SIZE": "2MB"}).bucket_size == 2_000_000
+    # The list names every SOCOMPILE_* variable the project reads that is not an option.
+    read = set()
+    for folder in ("socompile", "socompile_ext", "bench", "examples"):
+        for path in pathlib.Path(REPO, folder).rglob("*.py"):
+            read |= set(re.findall(r"""(?:environ\.get|getenv|environ\[)\(?["'](SOCOMPILE_[A-Z0-9_]+)""",
+                                   path.read_text()))
+    assert "SOCOMPILE_ISA" in read, "the scan must find the variables the project reads"
+    options = {f"SOCOMPILE_{name.upper()}" for name in Options.__dataclass_fields__}
+    assert read - options - set(NOT_OPTIONS) == set()
+
+
+def test_optimizer_threads_sets_the_kernel_threads_for_this_models_buckets_only(monkeypatch):
+    import socompile_ext
+    default = socompile_ext.get_num_threads()
+    pinned = default + 1          # differs from the default on any machine (OpenMP may run more threads than cores)
+    seen = []                     # (model, thread count the kernel reads) at each CPU Adam step
+
+    def spy(*args, **kwargs):
+        seen.append((current, socompile_ext.get_num_threads()))
+        return real_step(*args, **kwargs)
+
+    real_step = socompile_ext.adam_step
+    monkeypatch.setattr(socompile_ext, "adam_step", spy)
+    torch.manual_seed(0)
+    models = {"pinned": nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)), "default": nn.Linear(8, 2)}
+    threads = {"pinned": pinned, "default": None}
+    for current, model in models.items():
+        opt = socompile.AdamW(model.parameters(), lr=1e-2)
+        cmodel = torch.compile(model, backend=socompile.SuperOffload(compute="eager", gpu_buckets=0,
+                                                                     optimizer_threads=threads[current]))
+        for _ in range(2):
+            cmodel(torch.randn(4, 8)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert {n for m, n in seen if m == "pinned"} == {pinned}, seen
+    assert {n for m, n in seen if m == "default"} == {default}, seen
+    assert socompile_ext.get_num_threads() == default   # restored: the setting is process-wide
+    with pytest.raises(OptionError, match="optimizer_threads must be >= 1"):
+        Options.resolve({"optimizer_threads": 0})
 
 
 def test_model_without_parameters_gets_a_clear_error():

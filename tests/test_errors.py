@@ -163,6 +163,60 @@ def test_non_contiguous_parameter_is_supported_and_matches_torch():
     torch.testing.assert_close(mine.detach(), ref.detach(), atol=1e-6, rtol=0)
 
 
+def _cli(argv: list[str], capsys) -> tuple[int, str]:
+    """Run ``python -m socompile <argv>`` in this process: (exit status, stderr). argparse exits by SystemExit."""
+    from socompile import cli
+    try:
+        code = cli.main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, flag", [(["plan", "--model", "tiny", "--seq", "-1"], "--seq"),
+                                        (["plan", "--model", "tiny", "--batch", "0"], "--batch"),
+                                        (["demo", "--steps", "-1"], "--steps"),
+                                        (["dump", "--seq", "0"], "--seq"),
+                                        (["plan", "--model", "tiny", "--dp", "0"], "--dp")])
+def test_cli_out_of_range_argument_is_a_usage_error_without_traceback(argv, flag, capsys):
+    code, err = _cli(argv, capsys)
+    assert code == 2 and "Traceback" not in err, err
+    assert f"argument {flag}: must be >= 1" in err.splitlines()[-1], err
+
+
+def test_cli_bad_option_value_is_one_line_and_exit_2(capsys):
+    code, err = _cli(["plan", "--model", "tiny", "--seq", "32", "--bucket-size", "lots"], capsys)
+    assert code == 2 and "Traceback" not in err, err
+    assert err.strip() == "socompile plan: bucket_size: cannot read 'lots' as a size; write e.g. '64MB', '2GiB' " \
+                          "or 67108864", err
+
+
+def test_cli_unwritable_output_names_the_path_before_any_work(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    for argv, flag in ((["dump", "--out", str(blocker / "dumps")], "--out"),
+                       (["plan", "--model", "tiny", "--seq", "32", "--json", str(blocker / "plan.json")], "--json")):
+        code, err = _cli(argv, capsys)
+        assert code not in (0, None) and "Traceback" not in err, err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and f"{flag} {blocker}" in lines[0] and "Not a directory" in lines[0], err
+        assert "pass a" in lines[0]   # the fix
+    assert blocker.read_text() == "not a folder"
+
+
+def test_cli_error_from_a_fresh_interpreter_has_no_traceback(tmp_path):
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    (tmp_path / "a_file").write_text("")
+    out_dir = tmp_path / "a_file" / "dumps"   # like /proc/forbidden: a folder that cannot be made (root too)
+    out = subprocess.run([sys.executable, "-m", "socompile", "dump", "--out", str(out_dir)],
+                         capture_output=True, text=True, timeout=120, cwd=repo, env={**os.environ, "PYTHONPATH": repo})
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith(f"socompile dump: --out {out_dir}: cannot write files into this folder"), out.stderr
+
+
 def test_every_row_of_docs_errors_md_names_tests_that_exist():
     import ast
     import pathlib

@@ -8,7 +8,8 @@ what to look at; the process then exits non-zero instead of waiting forever.
 
 Plans must agree across ranks: a rank that buckets differently reduce-scatters different tensors, and the job
 computes garbage or deadlocks much later. ``check_plan_across_ranks`` gathers a small fingerprint of every
-rank's options and plan (one hash per field) and names the fields that differ.
+rank's options and plan (one hash per field) and names the fields that differ; ``shard_optimizer`` checks the
+optimizers' bucket layouts the same way before its first collective.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import json
 import time
 from typing import Any, Mapping
 
+import torch
 import torch.distributed as dist
 
 
@@ -82,6 +84,11 @@ def fingerprint(plan: Any, options: Any = None, extra: Mapping[str, Any] | None 
             fields[f"options.{key}"] = value
     for key, value in (extra or {}).items():
         fields[key] = value
+    return field_hashes(fields)
+
+
+def field_hashes(fields: Mapping[str, Any]) -> dict[str, str]:
+    """Field name -> short hash of its value (JSON, keys sorted), names sorted."""
     return {k: _hash(v) for k, v in sorted(fields.items())}
 
 
@@ -109,14 +116,37 @@ def check_plan_across_ranks(plan: Any, options: Any = None, group=None, extra: M
         plan_dict = plan.to_dict() if hasattr(plan, "to_dict") else dict(plan)
         readable.update({f"plan.{k}": v for k, v in plan_dict.items() if isinstance(v, (int, float, str))})
         readable["plan.buckets.count"] = len(plan_dict.get("buckets", ()))
-    mine = {"hash": plan_hash(fp), "fields": fp, "values": {k: repr(v)[:80] for k, v in readable.items()}}
-    world = dist.get_world_size(group)
-    gathered: list[Any] = [None] * world
-    with guard("plan check (all_gather_object)", group):
-        dist.all_gather_object(gathered, mine, group=group)
-    hashes = {g["hash"] for g in gathered}
-    if len(hashes) == 1:
-        return mine["hash"]
+    return agree_across_ranks("plan check", fp, readable, group,
+                              "ranks compiled different plans (different options, model or input shapes?). Every "
+                              "rank must run the same model with the same options.")
+
+
+def agree_across_ranks(what: str, fields: Mapping[str, str], readable: Mapping[str, Any], group,
+                       headline: str) -> str:
+    """Check that every rank has the same ``fields`` (name -> short hash); return their common hash, or raise
+    PlanMismatchError on every rank: ``headline``, then per rank the fields that differ from rank 0, with
+    their ``readable`` values where given.
+
+    First a fixed-size collective (each rank's 60-bit hash, all-gathered as int64), so ranks that disagree about
+    sizes cannot make it fail (gloo aborts a collective whose ranks pass different sizes); only on a mismatch,
+    which every rank then knows, are the fields themselves gathered (all_gather_object exchanges sizes first)."""
+    digest = plan_hash(fields)
+    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend(group) == "nccl" else "cpu"   # NCCL: GPU only
+    hashes = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
+    mine = torch.tensor([int(digest[:15], 16)], dtype=torch.int64, device=device)
+    with guard(f"{what} (all_gather of the hashes)", group):
+        dist.all_gather_into_tensor(hashes, mine, group=group)
+    if len(set(hashes.tolist())) == 1:
+        return digest
+    details = {"hash": digest, "fields": dict(fields), "values": {k: repr(v)[:80] for k, v in readable.items()}}
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    with guard(f"{what} (all_gather_object of the differing fields)", group):
+        dist.all_gather_object(gathered, details, group=group)
+    raise PlanMismatchError(f"socompile.distributed: {headline}\n  " + "\n  ".join(_differences(gathered)))
+
+
+def _differences(gathered: list[dict]) -> list[str]:
+    """One line per rank whose fields differ from rank 0's, naming up to 12 fields with both values."""
     lines = []
     reference = gathered[0]
     for rank, other in enumerate(gathered[1:], start=1):
@@ -130,7 +160,4 @@ def check_plan_across_ranks(plan: Any, options: Any = None, group=None, extra: M
             shown.append(f"{k} (rank 0: {a}, rank {rank}: {b})" if a is not None or b is not None else k)
         more = f" and {len(differ) - 12} more" if len(differ) > 12 else ""
         lines.append(f"rank {rank} differs from rank 0 in: {', '.join(shown)}{more}")
-    raise PlanMismatchError("socompile.distributed: ranks compiled different plans (different options, model or "
-                            "input shapes?). Every rank must run the same model with the same options.\n  "
-                            + "\n  ".join(lines))
-
+    return lines

@@ -2,8 +2,9 @@
 
 Pattern inserted: none; the graph is returned unchanged::
 
-    all_gather_object(hash(plan JSON fields, options, parameter names))   # once, when backward is compiled
-    differ -> PlanMismatchError naming the fields (e.g. options.bucket_size, plan.buckets[3])
+    all_gather(int64 hash of (plan JSON fields, options, parameter names))   # once, when backward is compiled
+    differ -> all_gather_object(per-field hashes and values)                # fixed size first: cannot abort
+           -> PlanMismatchError naming the fields (e.g. options.bucket_size, plan.buckets[3])
 
 It runs only when torch.distributed is initialised with more than one rank. Registered by
 ``init_distributed``/``make_topology``/``shard_optimizer`` (not by importing the package), so it can be

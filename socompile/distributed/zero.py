@@ -39,7 +39,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from .faults import guard
+from .faults import agree_across_ranks, field_hashes, guard
 
 
 @dataclasses.dataclass
@@ -85,6 +85,11 @@ class ZeroSharding:
         of those buckets' state), so that a new bucket layout (a compile claiming parameters after a load or
         after steps) can take its windows from them. Called with the same buckets, in the same order, on every
         rank (the optimizer's layouts are the same everywhere; the plan check says so)."""
+        if buckets:   # sizes first, by a fixed-size collective: gloo aborts an all-gather of unequal sizes
+            sizes = {f"optimizer.buckets[{b.index}].numel": b.numel for b in buckets}
+            agree_across_ranks("re-layout check", field_hashes(sizes), sizes, self.group,
+                               "ranks re-lay out different optimizer buckets (their optimizers or plans differ); "
+                               "every rank must build the same optimizer and compile with the same options.")
         for bucket in buckets:
             shard = self.shard_of(bucket)
             full = []
@@ -203,6 +208,8 @@ def shard_optimizer(optimizer, group=None, broadcast_from: int | None = 0) -> Ze
 
     register_plan_check()   # ranks that shard one optimizer must have planned its buckets alike
     sharding = ZeroSharding(group)
+    if sharding.world > 1:
+        check_same_optimizer(optimizer, group)   # before the first collective over its buckets
     if broadcast_from is not None and sharding.world > 1:
         source = dist.get_global_rank(group, broadcast_from) if group is not None else broadcast_from
         with guard("broadcast of the initial weights", group):
@@ -221,3 +228,19 @@ def shard_optimizer(optimizer, group=None, broadcast_from: int | None = 0) -> Ze
             if p in optimizer.state:
                 optimizer._alias_state(bucket, i, optimizer.state[p])
     return sharding
+
+
+def check_same_optimizer(optimizer, group=None) -> str:
+    """Raise PlanMismatchError on every rank, naming the differing arguments with each rank's value, unless every
+    rank of ``group`` built the same optimizer: the same bucket layout (bucket_size, each bucket's size), parameter
+    shapes and hyper-parameters. Collectives over buckets of different sizes would abort or hang instead."""
+    summary = {"optimizer.bucket_size": optimizer.bucket_size, "optimizer.max_grad_norm": optimizer.max_grad_norm,
+               "optimizer.buckets.count": len(optimizer.buckets),
+               **{f"optimizer.buckets[{b.index}].numel": b.numel for b in optimizer.buckets}}
+    for i, group_dict in enumerate(optimizer.param_groups):
+        summary[f"optimizer.param_groups[{i}].shapes"] = [list(p.shape) for p in group_dict["params"]]
+        summary.update({f"optimizer.param_groups[{i}].{k}": v for k, v in group_dict.items() if k != "params"})
+    return agree_across_ranks("shard_optimizer's layout check", field_hashes(summary), summary, group,
+                              "ranks built different socompile.AdamW optimizers (different arguments or models?): "
+                              "their buckets cannot be sharded together. Every rank must build the same optimizer "
+                              "over the same model.")

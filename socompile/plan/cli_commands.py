@@ -14,16 +14,19 @@ import resource
 import sys
 import time
 
+from ..cli_args import non_negative_int, positive_int, writable_file
+
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llama-7b",
                         help="preset name (tiny, small, llama-1b, llama-7b, llama-13b, llama-25b) or pkg.module:fn")
-    parser.add_argument("--seq", type=int, default=4096, help="sequence length (tokens)")
-    parser.add_argument("--batch", type=int, default=4, help="micro-batch size")
+    parser.add_argument("--seq", type=positive_int, default=4096, help="sequence length (tokens)")
+    parser.add_argument("--batch", type=positive_int, default=4, help="micro-batch size")
     parser.add_argument("--target", default="gh200",
                         help="hardware profile: gh200, gh200-144g, h100-pcie, a100-pcie, this-machine, or a file")
     parser.add_argument("--bucket-size", default=None, help="fp32 gradient bytes per bucket, e.g. 64MB")
-    parser.add_argument("--gpu-buckets", type=int, default=None, help="pin the number of GPU-resident buckets")
+    parser.add_argument("--gpu-buckets", type=non_negative_int, default=None,
+                        help="pin the number of GPU-resident buckets")
     parser.add_argument("--budget", default=None, help="device memory budget, e.g. 80GB (default: the profile's)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="training dtype of weights and activations on the target (default bfloat16)")
@@ -35,10 +38,10 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                         choices=("auto", "keep", "recompute", "selective", "selective_offload",
                                  "offload"),
                         help="per-layer activation policy (default auto: keep what fits, offload or recompute the rest)")
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel degree (ZeRO over dp x sp ranks)")
-    parser.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree (--seq is the whole "
+    parser.add_argument("--dp", type=positive_int, default=1, help="data-parallel degree (ZeRO over dp x sp ranks)")
+    parser.add_argument("--sp", type=positive_int, default=1, help="Ulysses sequence-parallel degree (--seq is the whole "
                         "sequence; each rank holds seq/sp tokens)")
-    parser.add_argument("--nodes", type=int, default=None,
+    parser.add_argument("--nodes", type=positive_int, default=None,
                         help="nodes the dp x sp ranks span (default: the profile's GPUs per node decide)")
 
 
@@ -104,6 +107,8 @@ def cmd_plan(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", dest="json_path", default=None, help="write the plan as JSON here")
     parser.add_argument("--html", dest="html_path", default=None, help="write the HTML report with a timeline here")
     args = parser.parse_args(argv)
+    writable_file(args.json_path, "--json")   # before planning, which would otherwise be lost
+    writable_file(args.html_path, "--html")
     from ..plan.planner import PlanError
     from ..report import plan_html, plan_json, plan_table
     start = time.perf_counter()
@@ -133,6 +138,7 @@ def cmd_simulate(argv: list[str] | None = None) -> int:
     _model_args(parser)
     parser.add_argument("--html", dest="html_path", default=None, help="write the timelines as HTML here")
     args = parser.parse_args(argv)
+    writable_file(args.html_path, "--html")
     from ..plan.planner import PlanError
     from ..plan.simulate import simulate
     from ..report import plan_html
@@ -161,6 +167,7 @@ def cmd_calibrate(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="profile file to write (default: the this-machine cache)")
     parser.add_argument("--name", default="this-machine")
     args = parser.parse_args(argv)
+    writable_file(args.out, "--out")   # before measuring
     from .calibrate import calibrate
     from .hardware import profile_cache_path, save_profile
     profile = calibrate(quick=args.quick, name=args.name)

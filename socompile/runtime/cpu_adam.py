@@ -7,7 +7,15 @@ non-speculative step see bitwise the same global norm.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+
 from .flat_bucket import FlatBucket
+
+# The kernel's thread count is one process-wide setting (socompile_ext.set_num_threads). A bucket whose compiled
+# model pinned it (option optimizer_threads) sets it for its own kernel calls only; every kernel call holds this
+# lock, so no call (another model's, on another thread) runs with a count that is not its own.
+_KERNEL_THREADS_LOCK = threading.Lock()
 
 
 def _kernel():
@@ -17,6 +25,22 @@ def _kernel():
         raise ImportError("socompile_ext (the CPU Adam kernel) is not built: run `make test` or "
                           "`pip install --no-build-isolation -e .` in the socompile checkout") from exc
     return socompile_ext
+
+
+@contextlib.contextmanager
+def _kernel_threads(kernel, bucket: FlatBucket):
+    """Run the kernel calls inside with ``bucket.kernel_threads`` OpenMP threads (None: the process's count),
+    then restore the count the kernel had."""
+    with _KERNEL_THREADS_LOCK:
+        if bucket.kernel_threads is None:
+            yield
+            return
+        before = kernel.get_num_threads()
+        kernel.set_num_threads(bucket.kernel_threads)
+        try:
+            yield
+        finally:
+            kernel.set_num_threads(before)
 
 
 def _hyper(group: dict, step: int) -> dict:
@@ -46,17 +70,18 @@ def step_bucket(bucket: FlatBucket, groups: list[dict], grad_scale: float = 1.0,
         if low is None:
             bucket._low_synced = False
     total, nonfinite = 0.0, False
-    for start, end, gi, step in bucket.runs(bucket.group_of):
-        loc = bucket.local(start, end)   # the state buffers (and the spare) may cover this rank's shard only
-        out = {}
-        if outputs is not None:
-            out = dict(param_out=outputs[0][loc], exp_avg_out=outputs[1][loc], exp_avg_sq_out=outputs[2][loc])
-        if low is not None:
-            out["param_bf16_out"] = low[start:end]
-        s, bad = kernel.adam_step(bucket.master[start:end], bucket.grad[start:end], bucket.exp_avg[loc],
-                                  bucket.exp_avg_sq[loc], grad_scale=grad_scale,
-                                  **_hyper(groups[gi], step), **out)
-        total, nonfinite = total + s, nonfinite or bad
+    with _kernel_threads(kernel, bucket):
+        for start, end, gi, step in bucket.runs(bucket.group_of):
+            loc = bucket.local(start, end)   # the state buffers (and the spare) may cover this rank's shard only
+            out = {}
+            if outputs is not None:
+                out = dict(param_out=outputs[0][loc], exp_avg_out=outputs[1][loc], exp_avg_sq_out=outputs[2][loc])
+            if low is not None:
+                out["param_bf16_out"] = low[start:end]
+            s, bad = kernel.adam_step(bucket.master[start:end], bucket.grad[start:end], bucket.exp_avg[loc],
+                                      bucket.exp_avg_sq[loc], grad_scale=grad_scale,
+                                      **_hyper(groups[gi], step), **out)
+            total, nonfinite = total + s, nonfinite or bad
     return total, nonfinite
 
 
@@ -67,9 +92,10 @@ def grad_stats(bucket: FlatBucket) -> tuple[float, bool]:
         return device_grad_stats(bucket)
     kernel = _kernel()
     total, nonfinite = 0.0, False
-    for start, end, _, _ in bucket.runs(bucket.group_of):
-        s, bad = kernel.grad_stats(bucket.grad[start:end])
-        total, nonfinite = total + s, nonfinite or bad
+    with _kernel_threads(kernel, bucket):
+        for start, end, _, _ in bucket.runs(bucket.group_of):
+            s, bad = kernel.grad_stats(bucket.grad[start:end])
+            total, nonfinite = total + s, nonfinite or bad
     return total, nonfinite
 
 
@@ -78,7 +104,8 @@ def rollback_inplace(bucket: FlatBucket, groups: list[dict], grad_scale: float) 
     kernel = _kernel()
     bucket.before_host_write()
     bucket.dirty, bucket._low_synced = True, False
-    for start, end, gi, step in bucket.runs(bucket.group_of):
-        loc = bucket.local(start, end)
-        kernel.adam_rollback(bucket.master[start:end], bucket.grad[start:end], bucket.exp_avg[loc],
-                             bucket.exp_avg_sq[loc], grad_scale=grad_scale, **_hyper(groups[gi], step))
+    with _kernel_threads(kernel, bucket):
+        for start, end, gi, step in bucket.runs(bucket.group_of):
+            loc = bucket.local(start, end)
+            kernel.adam_rollback(bucket.master[start:end], bucket.grad[start:end], bucket.exp_avg[loc],
+                                 bucket.exp_avg_sq[loc], grad_scale=grad_scale, **_hyper(groups[gi], step))

@@ -103,6 +103,7 @@ class FlatBucket(HostMasterCopies):
         self.speculated = None     # None, or where the speculative step wrote: "spare" or "inplace"
         self.partial = None        # (sum of squared gradients, any non-finite) of this iteration, once known
         self.rollback_mode = "pingpong"
+        self.kernel_threads = None  # OpenMP threads of the CPU kernel for this bucket (option optimizer_threads)
         self.spare = None          # (master, exp_avg, exp_avg_sq) of the ping-pong spare, allocated on first use
         self._views: dict[tuple[int, int], torch.Tensor] = {}
 
