@@ -7,6 +7,10 @@ Device (per step, at the activation peak):
   + gradient staging for CPU buckets    (2 buckets: one being filled, one on the link)
   + weight-flow buffers                 ((max prefetch distance + 1) * largest flow bucket, in its link dtype)
   + upload staging for device casts     (2 * largest stationary CPU bucket, fp32)
+Gradient staging is no buffer of the runtime's: it is the backward graph's own gradient tensors, held by a
+bucket's step node until the bucket is complete and by its device-to-host copy until it lands in the pinned
+landing buffer (runtime/host_master.py), so analysis.py does not count them as activations. The floor of a plan
+(planner._min_device) therefore scales with the largest bucket, and bucket_size with it.
 Host:
   per CPU bucket: master + m + v (12 B/param), ping-pong copies for exact rollback (+12), the gradient landing
   buffer (link dtype), and a bf16 weight copy when the CPU casts or the weights flow. Pinned: whatever crosses

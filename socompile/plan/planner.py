@@ -306,8 +306,8 @@ def _infeasible_message(ctx: _Context, minimum: MemoryEstimate, recompute: str, 
     parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in minimum.device_parts if v)
     need = human_bytes(minimum.device_peak, round_up=True)
     expr = ctx.activations_expr
-    activations = human_bytes(expr) if isinstance(expr, (int, float)) else \
-        f"{_formula(expr, ctx.ir.symbol_names)} bytes"
+    formula = "" if isinstance(expr, (int, float)) else \
+        f"; activations = {_formula(expr, ctx.ir.symbol_names)} bytes"
     buckets = (f"buckets of {human_bytes(ctx.options.bucket_size)}, the smallest tried (none of the parameters "
                f"is split)" if chosen else
                f"bucket_size={human_bytes(ctx.options.bucket_size)} (a smaller bucket_size, or none, lowers the "
@@ -318,7 +318,7 @@ def _infeasible_message(ctx: _Context, minimum: MemoryEstimate, recompute: str, 
     return (f"no plan fits in {human_bytes(ctx.budget)} of device memory on {ctx.hw.name}: even with every "
             f"optimizer bucket on the CPU, every weight that can stream streamed and "
             f"{'per-layer activation checkpointing' if recompute != 'none' else 'no checkpointing possible'}, "
-            f"with {buckets}, the step needs at least {need} ({parts}); activations = {activations}. Reduce the "
+            f"with {buckets}, the step needs at least {need} ({parts}){formula}. Reduce the "
             f"sequence length or batch, or {room}.")
 
 
