@@ -246,8 +246,8 @@ def _fitting_buckets(template: _Context, order: list[str], decisions: list[str])
         recompute = _activation_policy(ctx, base, lines)
         minimum = _min_device(ctx, base)
         if minimum.device_peak <= ctx.budget:
-            if len(sizes) > 1:
-                lines.insert(0, _bucket_size_line(ctx, size, floors))
+            if floors:   # the default did not fit (no line otherwise: the presets' plans stay byte-identical)
+                lines.insert(0, _bucket_size_line(ctx, size, *floors[-1][:2]))
             decisions.extend(lines)
             return ctx, base, recompute
         floors.append((minimum.device_peak, size, ctx, minimum, recompute))
@@ -255,10 +255,7 @@ def _fitting_buckets(template: _Context, order: list[str], decisions: list[str])
     raise PlanError(_infeasible_message(ctx, minimum, recompute, chosen=len(sizes) > 1))
 
 
-def _bucket_size_line(ctx: _Context, size: int, larger: list) -> str:
-    if not larger:
-        return f"bucket size: {human_bytes(size)} (default; options.bucket_size not pinned)"
-    peak, too_big = larger[-1][0], larger[-1][1]
+def _bucket_size_line(ctx: _Context, size: int, peak: float, too_big: int) -> str:
     return (f"bucket size: {human_bytes(size)} (chosen: with {human_bytes(too_big)} buckets the least device memory "
             f"any plan needs is {human_bytes(peak)}, over the budget of {human_bytes(ctx.budget)}: gradients of two "
             f"buckets in flight and the weight-flow buffers scale with the bucket)")
