@@ -88,6 +88,10 @@ def test_a_budget_of_60_percent_of_the_weights_plans_with_weight_flow_and_trains
     # Plan = execution: what the runtime held on the device is what the plan predicted, byte for byte.
     predicted = runtime_device_bytes(ctx.plan, ctx.ir)
     assert ctx.offload.ledger.summary()["peak"] == predicted["peak"] == ctx.plan.prediction("runtime_device_peak_bytes")
+    # ... and no more than the budget set aside for it: the weights saved for backward (t(w)) do not keep every
+    # flow buffer to the end of the forward, and buffers read by one node together are all counted.
+    parts = dict(ctx.plan.prediction("device_parts"))
+    assert predicted["peak"] <= parts["stationary weights"] + parts["GPU optimizer state"] + parts["weight-flow buffers"]
     assert_same_params(ours, ref, atol=1e-6)
 
 
