@@ -35,18 +35,25 @@ class FlowAction:
     key: tuple          # sort key: execution order of the actions within the phase
 
 
-def _uses(ir: IR, phase: str, bucket) -> tuple[list[int], list[int]]:
-    """(positions of every node that reads the bucket's weights, positions of those that hold the fetched
-    buffer: all but views saved for backward only, see _saved_view_only)."""
+def _uses(plan: Plan, ir: IR, phase: str, bucket) -> list[int]:
+    """Positions of the nodes of ``phase`` that read the bucket's weights (or a view of them)."""
+    return [ir.graph.nodes[k]["order"] for k in _readers(ir, phase, bucket)]
+
+
+def _readers(ir: IR, phase: str, bucket) -> list[str]:
     readers = ir.fw_readers if phase == "fw" else ir.bw_readers
-    out, holding = [], []
-    for p in bucket.params:
-        for k in readers.get(p, ()):
-            if ir.graph.nodes[k]["kind"] != "output":
-                out.append(ir.graph.nodes[k]["order"])
-                if not _saved_view_only(ir, k):
-                    holding.append(ir.graph.nodes[k]["order"])
-    return out, holding
+    return [k for p in bucket.params for k in readers.get(p, ()) if ir.graph.nodes[k]["kind"] != "output"]
+
+
+def _span(ir: IR, phase: str, bucket) -> tuple[int, int] | None:
+    """(first use, last use that holds the fetched buffer: views saved for backward only do not, see
+    _saved_view_only) of the bucket in ``phase``; None when the phase does not read it."""
+    keys = _readers(ir, phase, bucket)
+    if not keys:
+        return None
+    order = [ir.graph.nodes[k]["order"] for k in keys]
+    holding = [o for k, o in zip(keys, order) if not _saved_view_only(ir, k)]
+    return min(order), max(holding or order)
 
 
 def _saved_view_only(ir: IR, key: str) -> bool:
@@ -77,8 +84,7 @@ def bucket_flow_schedule(buckets, ir: IR, spans_cache: dict | None = None) -> di
                 continue
             key = (phase, b.params)
             if key not in cache:
-                uses, holding = _uses(ir, phase, b)
-                cache[key] = (min(uses), max(holding or uses)) if uses else None
+                cache[key] = _span(ir, phase, b)
             if cache[key] is not None:
                 spans.append((*cache[key], b.index, b.prefetch_distance))
         spans.sort()
