@@ -250,9 +250,9 @@ def _fitting_buckets(template: _Context, order: list[str], decisions: list[str])
                 lines.insert(0, _bucket_size_line(ctx, size, *floors[-1][:2]))
             decisions.extend(lines)
             return ctx, base, recompute
-        floors.append((minimum.device_peak, size, ctx, minimum, recompute))
-    _, size, ctx, minimum, recompute = min(floors, key=lambda f: (f[0], -f[1]))
-    raise PlanError(_infeasible_message(ctx, minimum, recompute, chosen=len(sizes) > 1))
+        floors.append((minimum.device_peak, size, ctx, minimum, recompute, base))
+    _, size, ctx, minimum, recompute, base = min(floors, key=lambda f: (f[0], -f[1]))
+    raise PlanError(_infeasible_message(ctx, minimum, recompute, _bucket_text(ctx, base, chosen=len(sizes) > 1)))
 
 
 def _bucket_size_line(ctx: _Context, size: int, peak: float, too_big: int) -> str:
@@ -299,16 +299,23 @@ def _min_device(ctx: _Context, base) -> MemoryEstimate:
     return _device(ctx, _apply_flow(ctx, base, _compact_buckets(ctx, base), {}, distance=0))
 
 
-def _infeasible_message(ctx: _Context, minimum: MemoryEstimate, recompute: str, chosen: bool = False) -> str:
+def _bucket_text(ctx: _Context, base, chosen: bool) -> str:
+    """The bucket size behind a floor, and whether a smaller one could lower it (a parameter is never split)."""
+    size = human_bytes(ctx.options.bucket_size)
+    if chosen:
+        return f"buckets of {size}, the smallest tried (a parameter is never split: the largest one bounds them)"
+    largest = max(base, key=lambda b: b.numel, default=None)
+    if largest is not None and len(largest.params) > 1:
+        return f"bucket_size={size} (a smaller bucket_size, or none, lowers the gradient staging and flow buffers)"
+    return f"bucket_size={size} (its largest bucket is one parameter: smaller buckets would hardly lower the floor)"
+
+
+def _infeasible_message(ctx: _Context, minimum: MemoryEstimate, recompute: str, buckets: str) -> str:
     parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in minimum.device_parts if v)
     need = human_bytes(minimum.device_peak, round_up=True)
     expr = ctx.activations_expr
     formula = "" if isinstance(expr, (int, float)) else \
         f"; activations = {_formula(expr, ctx.ir.symbol_names)} bytes"
-    buckets = (f"buckets of {human_bytes(ctx.options.bucket_size)}, the smallest tried (none of the parameters "
-               f"is split)" if chosen else
-               f"bucket_size={human_bytes(ctx.options.bucket_size)} (a smaller bucket_size, or none, lowers the "
-               f"gradient staging and weight-flow buffers)")
     room = (f"raise device_memory_budget to at least {need}" if ctx.options.device_memory_budget is not None else
             f"choose a target with at least {human_bytes(minimum.device_peak + ctx.hw.device_reserved, True)} of "
             f"device memory")
