@@ -52,8 +52,9 @@ class Options:
 
     target: str = "gh200"
     """Hardware profile the plan is made for (see ``socompile.plan.hardware``); also on a CPU-only machine."""
-    bucket_size: int | str = "64MB"
-    """Bytes of fp32 gradients per optimizer bucket (the unit of CPU stepping and reduce-scatter)."""
+    bucket_size: int | str | None = None
+    """Bytes of fp32 gradients per optimizer bucket (the unit of CPU stepping and reduce-scatter); None: the
+    planner chooses (64MB, or the largest smaller size whose buckets in flight fit the device budget)."""
     compute: str = "inductor"
     """Compiler for the forward/backward compute: 'inductor' (default) or 'eager' (FX interpreted, fast compile)."""
     gpu_buckets: int | None = None
@@ -110,8 +111,9 @@ class Options:
         hints = typing.get_type_hints(Options)
         for field in dataclasses.fields(self):
             _check_type(field.name, getattr(self, field.name), hints[field.name])
-        object.__setattr__(self, "bucket_size", parse_bytes(self.bucket_size, "bucket_size"))
-        if self.bucket_size <= 0:
+        if self.bucket_size is not None:
+            object.__setattr__(self, "bucket_size", parse_bytes(self.bucket_size, "bucket_size"))
+        if self.bucket_size is not None and self.bucket_size <= 0:
             raise OptionError("bucket_size must be positive, e.g. '64MB'")
         if self.device_memory_budget is not None:
             object.__setattr__(self, "device_memory_budget",

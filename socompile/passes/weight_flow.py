@@ -197,7 +197,7 @@ def _saved_outputs_from_master(gm: fx.GraphModule, build: _Builder, fetched: dic
     placeholder, so the saved tensor keeps the host master alive, not the device buffer; remember the view ops
     so the backward can replay them on its re-fetched weights."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    new_args = []
+    new_args, replaced = [], []
     for arg in output.args[0]:
         ops, root = [], arg
         while isinstance(root, fx.Node) and root not in fetched and _is_view(root):
@@ -215,11 +215,23 @@ def _saved_outputs_from_master(gm: fx.GraphModule, build: _Builder, fetched: dic
                                                                "not of the device buffer", arg)
             chains[arg.name] = ops
             new_args.append(value)
+            replaced.append(arg)
         elif isinstance(root, fx.Node) and root in fetched:
             new_args.append(holders[fetched[root]][0])
         else:
             new_args.append(arg)
     output.args = (tuple(new_args),)
+    for arg in replaced:
+        _erase_dead_views(gm, arg, fetched)
+
+
+def _erase_dead_views(gm: fx.GraphModule, node: fx.Node, fetched: dict[fx.Node, str]) -> None:
+    """Erase a saved view of a fetched weight that its rebuilt copy replaced, and the views under it that nothing
+    else reads: placed after the bucket's release (plan/flow_schedule.py), they would read a released buffer."""
+    while isinstance(node, fx.Node) and node not in fetched and _is_view(node) and not node.users:
+        parent = node.args[0]
+        gm.graph.erase_node(node)
+        node = parent
 
 
 @register(FW_NAME, phase="fw")

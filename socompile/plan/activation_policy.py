@@ -8,8 +8,8 @@ import dataclasses
 
 import sympy
 
+from ..units import human_bytes
 from .context import HOST_HEADROOM, PlanError, _compact_buckets, _Context, _device, _dtype_name
-from .hardware import GB
 from .memory import host_memory
 from .plan import ACTIVATION_CHOICES
 
@@ -183,8 +183,8 @@ def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
         if forced in ("offload", X):
             need = sum(lc.saved if forced == "offload" else _checkpoint_bytes(lc) for lc in layers)
             if need > room:
-                raise PlanError(f"activations={forced!r} needs {need / GB:.1f} GB of host memory for the saved "
-                                f"activations of {n} layers but only {room / GB:.1f} GB is left after the "
+                raise PlanError(f"activations={forced!r} needs {human_bytes(need)} of host memory for the saved "
+                                f"activations of {n} layers but only {human_bytes(room)} is left after the "
                                 f"optimizer state ({ctx.hw.name}, {HOST_HEADROOM:.0%} usable); use "
                                 f"activations='auto' (offloads what fits, recomputes the rest) or 'recompute'")
     act, expr, offloaded = _activation_bytes(ctx, chosen)
@@ -309,36 +309,36 @@ def _activation_line(ctx, layers, chosen, rec_cost, sel_cost, ck_cost, off_cost,
     if groups["offload"]:
         lc = max(groups["offload"], key=lambda x: x.saved)
         out_t, in_t, hide_fw, hide_bw = link[lc.name]
-        parts.append(f"{head('offload')}: {lc.saved / GB:.2f} GB each way per layer, {out_t * 1e3:.1f} ms out "
+        parts.append(f"{head('offload')}: {human_bytes(lc.saved)} each way per layer, {out_t * 1e3:.1f} ms out "
                      f"under {hide_fw * 1e3:.1f} ms of forward, {in_t * 1e3:.1f} ms in under {hide_bw * 1e3:.1f} ms of "
                      f"backward: {off_cost[lc.name] * 1e3:.1f} ms exposed vs {rec_cost[lc.name] * 1e3:.1f} ms to "
-                     f"recompute; {ctx.offloaded_bytes / GB:.1f} GB pinned host memory of {room / GB:.1f} GB free)")
+                     f"recompute; {human_bytes(ctx.offloaded_bytes)} pinned host memory of {human_bytes(room)} free)")
     if groups["selective"]:
         lc = groups["selective"][0]
         parts.append(f"{head('selective')}: +{sel_cost[lc.name] * 1e3:.1f} ms each in backward instead of "
                      f"{rec_cost[lc.name] * 1e3:.1f} ms (attention {lc.attention_time * 1e3:.1f} ms not re-run), keeps "
-                     f"{(lc.boundary + lc.attention_saved) / GB:.2f} GB: input and attention outputs"
+                     f"{human_bytes(lc.boundary + lc.attention_saved)}: input and attention outputs"
                      f"{'; options.activations=' + repr(forced) if forced == 'selective' else ''})")
     if groups["selective_offload"]:
         lc = groups["selective_offload"][0]
         ck = _checkpoint_bytes(lc)
-        parts.append(f"{head('selective_offload')}: as selective, its {ck / GB:.2f} GB of checkpoints (output, "
+        parts.append(f"{head('selective_offload')}: as selective, its {human_bytes(ck)} of checkpoints (output, "
                      f"attention outputs) in host memory, +{ck_cost[lc.name] * 1e3:.1f} ms each in backward with the "
-                     f"link time not hidden; {ctx.offloaded_bytes / GB:.1f} GB pinned host memory of "
-                     f"{room / GB:.1f} GB free)")
+                     f"link time not hidden; {human_bytes(ctx.offloaded_bytes)} pinned host memory of "
+                     f"{human_bytes(room)} free)")
     if groups["recompute"]:
         lc = groups["recompute"][0]
         why = ("options.activations='recompute'" if forced == "recompute" else
                "host memory for offload used up" if off_cost[lc.name] < rec_cost[lc.name] and room < lc.saved
                + ctx.offloaded_bytes else
-               f"offload is cheaper but its two-layer window ({2 * lc.saved / GB:.1f} GB) does not fit the device "
+               f"offload is cheaper but its two-layer window ({human_bytes(2 * lc.saved)}) does not fit the device "
                f"beside the other layers' inputs" if off_cost[lc.name] < rec_cost[lc.name] else
                f"offload would expose {off_cost[lc.name] * 1e3:.1f} ms > {rec_cost[lc.name] * 1e3:.1f} ms")
         if forced == "auto" and sel_cost[lc.name] < rec_cost[lc.name]:
-            why += (f"; selective would keep {lc.attention_saved / GB:.2f} GB more per layer, which does not fit")
+            why += (f"; selective would keep {human_bytes(lc.attention_saved)} more per layer, which does not fit")
         parts.append(f"{head('recompute')}: +{rec_cost[lc.name] * 1e3:.1f} ms each in backward, keeps "
-                     f"{lc.boundary / GB:.2f} GB input; {why})")
+                     f"{human_bytes(lc.boundary)} input; {why})")
     source = "pinned by the caller" if forced == "pinned" else f"options.activations={forced!r}" if forced != "auto" else (
-        f"auto: all-keep needs {ctx.costs.activation_peak / GB:.1f} GB, {available / GB:.1f} GB left for "
+        f"auto: all-keep needs {human_bytes(ctx.costs.activation_peak)}, {human_bytes(available)} left for "
         f"activations with every weight streamed")
-    return (f"activations: {', '.join(parts)}; device activations {ctx.activations / GB:.1f} GB ({source})")
+    return (f"activations: {', '.join(parts)}; device activations {human_bytes(ctx.activations)} ({source})")

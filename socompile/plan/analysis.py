@@ -7,6 +7,9 @@ NOTE: activation liveness. A tensor is allocated when its node runs and freed af
 allocate nothing and keep their base alive; a saved forward tensor reaches the backward as a placeholder of the
 same name and stays alive until its last backward reader. Parameters (and views of them) are not activations;
 gradients of parameters are moved into bucket buffers as they are produced, so they count as freed at once.
+A gradient of an optimized parameter (and the tensor it is a view of: a Linear's weight gradient is t(mm(...)))
+is not counted at all: until its bucket's step takes it, it is the plan's "gradient staging" (plan/memory.py),
+which scales with the bucket, not with the tokens.
 """
 from __future__ import annotations
 
@@ -194,6 +197,8 @@ def _liveness(ir: IR, cost: CostModel, weights: set[str]):
             root[key] = root.get(preds[0], preds[0])
         else:
             root[key] = key
+    staged = {root[g] for n, g in ir.grad_node.items() if ir.params[n].optimized}   # counted as gradient staging
+    weights = weights | staged
     last: dict[str, int] = {}
     for key in sequence:
         r = root[key]

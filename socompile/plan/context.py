@@ -10,7 +10,7 @@ from ..options import Options
 from .analysis import GraphCosts
 from .cost import CostModel
 from .hardware import HardwareProfile
-from .memory import MemoryEstimate, device_memory
+from .memory import MemoryEstimate, device_memory, flow_buffer_peak
 
 HOST_HEADROOM = 0.90      # fraction of host memory the plan may use (the OS, the data loader, Python)
 
@@ -41,11 +41,13 @@ class _Context:
     choices: tuple = ()            # Plan.activations being planned for
     pinned_choices: tuple | None = None   # per-layer choices given by the caller (plan(..., activations=...))
     offloaded_bytes: float = 0.0   # host bytes of offloaded layers' saved tensors (pinned)
+    flow_spans: dict = dataclasses.field(default_factory=dict)   # flow_schedule's per-bucket spans, by params
 
 
 def _device(ctx: _Context, buckets) -> MemoryEstimate:
+    """Device memory of a placement; its flow buffers never below what the runtime's schedule holds at once."""
     return device_memory(buckets, ctx.weight_bytes, ctx.activations, ctx.activations_expr, ctx.unoptimized_numel,
-                         world=ctx.world)
+                         world=ctx.world, flow_at_least=flow_buffer_peak(buckets, ctx.ir, spans_cache=ctx.flow_spans))
 
 
 def _compact_buckets(ctx: _Context, buckets) -> set[int]:

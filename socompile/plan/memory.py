@@ -7,6 +7,10 @@ Device (per step, at the activation peak):
   + gradient staging for CPU buckets    (2 buckets: one being filled, one on the link)
   + weight-flow buffers                 ((max prefetch distance + 1) * largest flow bucket, in its link dtype)
   + upload staging for device casts     (2 * largest stationary CPU bucket, fp32)
+Gradient staging is no buffer of the runtime's: it is the backward graph's own gradient tensors, held by a
+bucket's step node until the bucket is complete and by its device-to-host copy until it lands in the pinned
+landing buffer (runtime/host_master.py), so analysis.py does not count them as activations. The floor of a plan
+(planner._min_device) therefore scales with the largest bucket, and bucket_size with it.
 Host:
   per CPU bucket: master + m + v (12 B/param), ping-pong copies for exact rollback (+12), the gradient landing
   buffer (link dtype), and a bf16 weight copy when the CPU casts or the weights flow. Pinned: whatever crosses
@@ -36,9 +40,12 @@ def _bytes(dtype: str) -> int:
 
 
 def device_memory(buckets: list[BucketPlan], weight_bytes: int, activations: float, activations_expr,
-                  unoptimized_numel: int, adaptive_flow: set[int] | None = None, world: int = 1) -> MemoryEstimate:
+                  unoptimized_numel: int, adaptive_flow: set[int] | None = None, world: int = 1,
+                  flow_at_least: int = 0) -> MemoryEstimate:
     """Per rank. With ``world`` ZeRO ranks, a device-site bucket keeps 1/world of its fp32 master and moments
-    (12 B/param / world) beside its whole gradient and compute weights; uploads carry one shard."""
+    (12 B/param / world) beside its whole gradient and compute weights; uploads carry one shard.
+    ``flow_at_least``: the flow buffers the runtime's exact schedule holds at once (flow_buffer_peak), when
+    more than (distance + 1) of the largest (small buckets read by one node are live together)."""
     stationary = sum(b.numel for b in buckets if b.weight_mode == "stationary") + unoptimized_numel
     gpu_state = sum(b.numel for b in buckets if b.optimizer_site == "device")
     cpu = [b for b in buckets if b.optimizer_site == "cpu"]
@@ -46,6 +53,7 @@ def device_memory(buckets: list[BucketPlan], weight_bytes: int, activations: flo
     staging = 2 * max((b.numel * max(weight_bytes, _bytes(b.link_dtype)) for b in cpu), default=0)
     flow_buffers = (max((b.prefetch_distance for b in flow), default=0) + 1) * max(
         (b.numel * _bytes(b.param_link_dtype) for b in flow), default=0) if flow else 0
+    flow_buffers = max(flow_buffers, flow_at_least)
     upload = 2 * max((b.numel * 4 for b in cpu if b.weight_mode == "stationary" and b.cast_site == "device"
                       and weight_bytes == 2), default=0) // max(1, world)
     parts = (("activations", activations), ("stationary weights", stationary * weight_bytes),
@@ -86,6 +94,20 @@ def host_memory(buckets: list[BucketPlan], weight_bytes: int, world: int = 1, of
              ("offloaded activations", int(offloaded_activations)))
     pinned = landing + copies + master_pinned + int(offloaded_activations)
     return sum(v for _, v in parts), pinned, parts
+
+
+def flow_buffer_peak(buckets, ir, align: int | None = None, spans_cache: dict | None = None) -> int:
+    """Bytes of flow buffers live at once over the exact schedule (plan/flow_schedule.py), as the runtime
+    allocates them (padded segments, the link dtype)."""
+    from ..runtime.flat_bucket import ALIGN
+    from .flow_schedule import bucket_flow_schedule, flow_peak
+    flow = [b for b in buckets if b.weight_mode == "flow"]
+    if not flow:
+        return 0
+    align = ALIGN if align is None else align
+    nbytes = {b.index: padded_numel([ir.params[p].numel for p in b.params], align) * _bytes(b.param_link_dtype)
+              for b in flow}
+    return flow_peak(bucket_flow_schedule(buckets, ir, spans_cache), nbytes)[0]
 
 
 def padded_numel(numels, align: int) -> int:

@@ -2,6 +2,8 @@
 
 Decisions, in this order (each reads the cost model; docs/planner.md explains them with numbers):
 1. Buckets: parameters in the order backward produces their gradients, ``options.bucket_size`` fp32 bytes each.
+   Not pinned: 64 MB, or when that cannot fit the budget (two buckets of gradients in flight, flow buffers of
+   whole buckets), the largest smaller size (halving, down to the largest parameter) whose floor fits.
 2. Casts and link precision (per bucket, from bandwidths): gradients cross in the model's own dtype (the CPU
    kernel reads bf16 directly, an fp32 upcast carries no information); updated weights cross as fp32 and are
    cast on the GPU when ``4n/link < 2n/link + 2n/cpu_adam_bw`` (C2C), else are cast on the CPU (PCIe).
@@ -21,24 +23,26 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import math
 
 import sympy
 
 from ..capture.ir import IR
 from ..options import Options
+from ..units import human_bytes
 from .activation_policy import _activation_policy
 from .analysis import GraphCosts, analyze, layer_group
 from .bucketize import FP32_BYTES, bucketize
 from .context import HOST_HEADROOM, PlanError, _compact_buckets, _Context, _device, _dtype_name  # noqa: F401
 from .cost import CostModel
-from .hardware import GB, HardwareProfile
+from .hardware import HardwareProfile
 from .memory import MemoryEstimate, host_memory, runtime_device_bytes
 from .plan import BucketPlan, Plan
 from .simulate import simulate
 
 MAX_PREFETCH = 8          # buffers beyond this cost memory and no longer hide anything on these profiles
 FULL_SEARCH = 48          # try every K up to this many buckets; beyond, a grid then a local refinement
+DEFAULT_BUCKET_BYTES = 64 * 10**6   # options.bucket_size when not pinned and it fits (the presets' plans)
+SMALLEST_BUCKET_BYTES = 64 * 10**3  # below this, per-bucket overheads dominate and the floor hardly falls
 
 
 def ready_position(ir: IR, params: list[str], position: dict[str, int] | None = None) -> int:
@@ -110,18 +114,13 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
     unopt_numel = sum(p.numel for p in ir.params.values() if p.name not in in_buckets)
     budget = float(options.device_memory_budget if options.device_memory_budget is not None
                    else hw.device_memory - hw.device_reserved)
-    ctx = _Context(ir, hw, options, cost, costs, weight_bytes, budget, unopt_numel, costs.activation_peak,
-                   costs.activation_peak_expr, world=world, dp=dp, sp=sp)
-    ctx.pinned_choices = tuple(activations) if activations is not None else None
+    template = _Context(ir, hw, options, cost, costs, weight_bytes, budget, unopt_numel, costs.activation_peak,
+                        costs.activation_peak_expr, world=world, dp=dp, sp=sp)
+    template.pinned_choices = tuple(activations) if activations is not None else None
     decisions: list[str] = []
     if world > 1:
-        decisions.append(_parallel_line(ctx))
-
-    base = _base_buckets(ir, order, options.bucket_size, ctx, decisions)
-    recompute = _activation_policy(ctx, base, decisions)
-    minimum = _min_device(ctx, base)
-    if minimum.device_peak > budget:
-        raise PlanError(_infeasible_message(ctx, minimum, recompute))
+        decisions.append(_parallel_line(template))
+    ctx, base, recompute = _fitting_buckets(template, order, decisions)
 
     best = _choose_gpu_buckets(ctx, base, recompute, decisions)
     buckets, memory, sim = best
@@ -131,8 +130,8 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
         sim = simulate(_plan_of(ctx, buckets, recompute, ()), costs, cost)
         if memory.device_peak > budget:
             raise PlanError(f"the pinned weight placement (weight_mode={options.weight_mode!r}, prefetch_distance="
-                            f"{options.prefetch_distance}) needs {memory.device_peak / 1e6:.1f} MB of device memory, "
-                            f"over the budget of {budget / 1e6:.1f} MB; stream more buckets (weight_mode='flow') or "
+                            f"{options.prefetch_distance}) needs {human_bytes(memory.device_peak)} of device memory, "
+                            f"over the budget of {human_bytes(budget)}; stream more buckets (weight_mode='flow') or "
                             f"leave weight_mode='planned'")
     buckets, host_total, host_pinned, host_parts = _rollback_modes(ctx, buckets, decisions)
     names = ctx.ir.symbol_names
@@ -222,6 +221,46 @@ def _plan_of(ctx: _Context, buckets, recompute, predicted, decisions=(), unoptim
                 decisions=tuple(decisions), activations=tuple(ctx.choices))
 
 
+def _bucket_size_candidates(ctx: _Context, order: list[str]) -> list[int]:
+    """options.bucket_size when pinned; else 64 MB, then halved while the largest bucket can still shrink
+    (not below the largest parameter's fp32 gradient, nor SMALLEST_BUCKET_BYTES)."""
+    if ctx.options.bucket_size is not None:
+        return [ctx.options.bucket_size]
+    largest = max((ctx.ir.params[n].numel * FP32_BYTES for n in order), default=0)
+    sizes = [DEFAULT_BUCKET_BYTES]
+    while sizes[-1] > max(largest, SMALLEST_BUCKET_BYTES):
+        sizes.append(max(sizes[-1] // 2, SMALLEST_BUCKET_BYTES))
+    return sizes
+
+
+def _fitting_buckets(template: _Context, order: list[str], decisions: list[str]):
+    """(ctx, base buckets, Plan.recompute) for the first bucket size whose floor (_min_device) fits the budget.
+    Each candidate plans its activations afresh (the floor of the rest of the plan depends on the buckets), on
+    a copy of ``template`` whose options carry that size. Raises PlanError with the lowest floor found."""
+    floors = []
+    sizes = _bucket_size_candidates(template, order)
+    for size in sizes:
+        ctx = dataclasses.replace(template, options=dataclasses.replace(template.options, bucket_size=size))
+        lines: list[str] = []
+        base = _base_buckets(ctx.ir, order, size, ctx, lines)
+        recompute = _activation_policy(ctx, base, lines)
+        minimum = _min_device(ctx, base)
+        if minimum.device_peak <= ctx.budget:
+            if floors:   # the default did not fit (no line otherwise: the presets' plans stay byte-identical)
+                lines.insert(0, _bucket_size_line(ctx, size, *floors[-1][:2]))
+            decisions.extend(lines)
+            return ctx, base, recompute
+        floors.append((minimum.device_peak, size, ctx, minimum, recompute, base))
+    _, size, ctx, minimum, recompute, base = min(floors, key=lambda f: (f[0], -f[1]))
+    raise PlanError(_infeasible_message(ctx, minimum, recompute, _bucket_text(ctx, base, chosen=len(sizes) > 1)))
+
+
+def _bucket_size_line(ctx: _Context, size: int, peak: float, too_big: int) -> str:
+    return (f"bucket size: {human_bytes(size)} (chosen: with {human_bytes(too_big)} buckets the least device memory "
+            f"any plan needs is {human_bytes(peak)}, over the budget of {human_bytes(ctx.budget)}: gradients of two "
+            f"buckets in flight and the weight-flow buffers scale with the bucket)")
+
+
 def _base_buckets(ir: IR, order: list[str], bucket_size: int, ctx: _Context, decisions: list[str]):
     groups = bucketize([(n, ir.params[n].numel) for n in order], bucket_size)
     hw, wb = ctx.hw, ctx.weight_bytes
@@ -254,21 +293,37 @@ def _base_buckets(ir: IR, order: list[str], bucket_size: int, ctx: _Context, dec
 
 
 def _min_device(ctx: _Context, base) -> MemoryEstimate:
-    """Device memory with everything on the CPU and every bucket streamed at distance 1: the least we can do."""
-    flows = [dataclasses.replace(b, weight_mode="flow", prefetch_distance=1, cast_site="cpu",
-                                 param_link_dtype=_dtype_name(ctx.weight_bytes)) for b in base]
-    return _device(ctx, flows)
+    """The least device memory a plan over ``base`` can take: every bucket on the CPU, every bucket that can
+    stream (_compact_buckets) streamed at prefetch distance 0 (one flow buffer live at a time: the transfer is
+    not hidden). _with_k falls back to exactly this placement, so a budget of this size plans."""
+    return _device(ctx, _apply_flow(ctx, base, _compact_buckets(ctx, base), {}, distance=0))
 
 
-def _infeasible_message(ctx: _Context, minimum: MemoryEstimate, recompute: str) -> str:
-    parts = ", ".join(f"{k} {v / GB:.2f} GB" for k, v in minimum.device_parts if v)
-    return (f"no plan fits in {ctx.budget / GB:.2f} GB of device memory on {ctx.hw.name}: even with every "
-            f"optimizer bucket on the CPU, every weight streamed and "
+def _bucket_text(ctx: _Context, base, chosen: bool) -> str:
+    """The bucket size behind a floor, and whether a smaller one could lower it (a parameter is never split)."""
+    size = human_bytes(ctx.options.bucket_size)
+    if chosen:
+        return f"buckets of {size}, the smallest tried (a parameter is never split: the largest one bounds them)"
+    largest = max(base, key=lambda b: b.numel, default=None)
+    if largest is not None and len(largest.params) > 1:
+        return f"bucket_size={size} (a smaller bucket_size, or none, lowers the gradient staging and flow buffers)"
+    return f"bucket_size={size} (its largest bucket is one parameter: smaller buckets would hardly lower the floor)"
+
+
+def _infeasible_message(ctx: _Context, minimum: MemoryEstimate, recompute: str, buckets: str) -> str:
+    parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in minimum.device_parts if v)
+    need = human_bytes(minimum.device_peak, round_up=True)
+    expr = ctx.activations_expr
+    formula = "" if isinstance(expr, (int, float)) else \
+        f"; activations = {_formula(expr, ctx.ir.symbol_names)} bytes"
+    room = (f"raise device_memory_budget to at least {need}" if ctx.options.device_memory_budget is not None else
+            f"choose a target with at least {human_bytes(minimum.device_peak + ctx.hw.device_reserved, True)} of "
+            f"device memory")
+    return (f"no plan fits in {human_bytes(ctx.budget)} of device memory on {ctx.hw.name}: even with every "
+            f"optimizer bucket on the CPU, every weight that can stream streamed and "
             f"{'per-layer activation checkpointing' if recompute != 'none' else 'no checkpointing possible'}, "
-            f"the step needs at least {minimum.device_peak / GB:.2f} GB ({parts}); activations = "
-            f"{_formula(ctx.activations_expr, ctx.ir.symbol_names)} bytes. Reduce the sequence length or batch, "
-            f"or choose a target with at least {math.ceil(minimum.device_peak / GB + ctx.hw.device_reserved / GB)}"
-            f" GB of device memory (or raise device_memory_budget).")
+            f"with {buckets}, the step needs at least {need} ({parts}){formula}. Reduce the "
+            f"sequence length or batch, or {room}.")
 
 
 def _transfer_order(ctx: _Context, cpu_buckets) -> list[int]:
@@ -338,7 +393,8 @@ def _with_k(ctx: _Context, base, k: int, order_cache: dict):
         if memory.device_peak <= ctx.budget:
             return trial, memory
     if flow:   # the running estimate never reached the excess; the full set may still fit (staging shrinks too)
-        for dist in (_prefetch_distances(ctx, base, flow), {i: 1 for i in flow}):
+        # distance 0 last: one buffer at a time, transfers not hidden (the floor, _min_device)
+        for dist in (_prefetch_distances(ctx, base, flow), {i: 1 for i in flow}, {i: 0 for i in flow}):
             trial = _apply_flow(ctx, buckets, flow, dist)
             memory = _device(ctx, trial)
             if memory.device_peak <= ctx.budget:
@@ -346,9 +402,9 @@ def _with_k(ctx: _Context, base, k: int, order_cache: dict):
     return None
 
 
-def _apply_flow(ctx: _Context, buckets, flow: set[int], dist: dict[int, int]):
+def _apply_flow(ctx: _Context, buckets, flow: set[int], dist: dict[int, int], distance: int = 1):
     name = _dtype_name(ctx.weight_bytes)
-    return [dataclasses.replace(b, weight_mode="flow", prefetch_distance=dist.get(b.index, 1), cast_site="cpu",
+    return [dataclasses.replace(b, weight_mode="flow", prefetch_distance=dist.get(b.index, distance), cast_site="cpu",
                                 param_link_dtype=name,
                                 cast_reason="weights flow from host memory as bf16: the CPU kernel writes the "
                                             "bf16 copy in the same pass" if ctx.weight_bytes == 2 else
@@ -379,7 +435,7 @@ def _choose_gpu_buckets(ctx: _Context, base, recompute: str, decisions: list[str
             raise PlanError(f"gpu_buckets={pinned} but the model has {n} bucket(s); choose 0..{n} or None")
         got = evaluate(pinned)
         if got is None:
-            raise PlanError(f"gpu_buckets={pinned} does not fit in {ctx.budget / GB:.2f} GB of device memory "
+            raise PlanError(f"gpu_buckets={pinned} does not fit in {human_bytes(ctx.budget)} of device memory "
                             f"even with weight flow; use fewer GPU buckets or leave gpu_buckets=None")
         decisions.append(f"GPU-resident buckets: {pinned} of {n} (pinned by options.gpu_buckets)")
         return got
@@ -400,8 +456,8 @@ def _choose_gpu_buckets(ctx: _Context, base, recompute: str, decisions: list[str
     for k in candidates:
         evaluate(k)
     if all(v is None for v in results.values()):
-        raise PlanError(f"no placement of the {n} bucket(s) fits {ctx.budget / GB:.2f} GB of device memory beside "
-                        f"{ctx.activations / GB:.2f} GB of activations (buckets whose weights are read in two places, "
+        raise PlanError(f"no placement of the {n} bucket(s) fits {human_bytes(ctx.budget)} of device memory beside "
+                        f"{human_bytes(ctx.activations)} of activations (buckets whose weights are read in two places, "
                         f"e.g. tied embeddings, cannot stream); lower the sequence length or batch, or set "
                         f"activations='recompute'")
     best_k = min((k for k in results if results[k] is not None), key=lambda k: (results[k][2].step_time, k))
@@ -416,7 +472,7 @@ def _choose_gpu_buckets(ctx: _Context, base, recompute: str, decisions: list[str
     flows = sum(1 for b in results[best_k][0] if b.weight_mode == "flow")
     if flows:
         decisions.append(f"weight flow: {flows} bucket(s) streamed from host memory to fit "
-                         f"{ctx.budget / GB:.1f} GB (compute-heavy buckets first, so transfers hide)")
+                         f"{human_bytes(ctx.budget)} (compute-heavy buckets first, so transfers hide)")
     return results[best_k]
 
 
@@ -474,10 +530,10 @@ def _rollback_modes(ctx: _Context, buckets, decisions: list[str]):
             break
     inverse = sum(1 for b in out if b.rollback == "inverse")
     decisions.append(f"rollback: {inverse} CPU bucket(s) use the algebraic inverse (host memory "
-                     f"{ctx.hw.host_memory / GB:.0f} GB too small for ping-pong state)")
+                     f"{human_bytes(ctx.hw.host_memory)} too small for ping-pong state)")
     if total > limit:
-        raise PlanError(f"host memory: the plan needs {total / GB:.1f} GB of host memory but {ctx.hw.name} has "
-                        f"{ctx.hw.host_memory / GB:.0f} GB (usable {limit / GB:.0f}); keep more buckets on the GPU "
+        raise PlanError(f"host memory: the plan needs {human_bytes(total)} of host memory but {ctx.hw.name} has "
+                        f"{human_bytes(ctx.hw.host_memory)} (usable {human_bytes(limit)}); keep more buckets on the GPU "
                         f"or use a machine with more host memory")
     return out, total, pinned, parts
 

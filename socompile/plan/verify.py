@@ -14,6 +14,7 @@ Checked, each with a message naming the bucket, parameter or number at fault:
 from __future__ import annotations
 
 from ..capture.ir import IR
+from ..units import human_bytes
 from .plan import Plan
 
 VALID_SITES = ("cpu", "device")
@@ -251,10 +252,10 @@ def _budgets(plan: Plan, hw) -> list[str]:
     pred = dict(plan.predicted)
     peak, budget = pred.get("device_peak_bytes"), pred.get("device_budget_bytes")
     if peak is not None and budget is not None and peak > budget:
-        out.append(f"predicted device peak {peak / 1e9:.2f} GB exceeds the budget {budget / 1e9:.2f} GB")
+        out.append(f"predicted device peak {human_bytes(peak)} exceeds the budget {human_bytes(budget)}")
     host = pred.get("host_bytes")
     if hw is not None and host is not None and host > hw.host_memory:
-        out.append(f"predicted host memory {host / 1e9:.1f} GB exceeds {hw.name}'s {hw.host_memory / 1e9:.0f} GB")
+        out.append(f"predicted host memory {human_bytes(host)} exceeds {hw.name}'s {human_bytes(hw.host_memory)}")
     return out
 
 

@@ -10,14 +10,7 @@ import json
 import re
 
 from ..plan.plan import BucketPlan, Plan
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n} B"
+from ..units import human_bytes
 
 
 def human_formula(text: str) -> str:
