@@ -37,6 +37,7 @@ from ..runtime.speculation import Speculator, clip_coefficient
 from ..runtime.worker import CPUWorker
 from . import state_dict as optimizer_state
 from .graph_claim import GraphClaim
+from .hyper import check_group
 from .module_state import ModelStateHooks, _ModuleHook  # noqa: F401  (_ModuleHook: pickled models name it here)
 from .owner import set_owner
 from .state_dict import torch_param_group  # noqa: F401  (imported from here by socompile.distributed)
@@ -50,15 +51,12 @@ class AdamW(torch.optim.Optimizer):
                  bucket_size: int | str = "64MB", grad_accumulation_steps: int = 1, decoupled: bool = True,
                  skip_nonfinite: bool | None = None, rollback: str = "pingpong", predict_clipping: bool = True,
                  cpu_worker: str = "auto", host_master: str = "auto"):
-        if lr < 0 or eps < 0 or weight_decay < 0:
-            raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"betas must be in [0, 1), got {betas}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled=decoupled)
+        check_group(defaults)   # torch's checks and exception types (socompile/optim/hyper.py)
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm}")
         if grad_accumulation_steps < 1:
             raise ValueError(f"grad_accumulation_steps must be >= 1, got {grad_accumulation_steps}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, decoupled=decoupled)
         super().__init__(params, defaults)
         if cpu_worker not in ("auto", "thread", "inline"):
             raise ValueError(f"cpu_worker must be 'thread' (bucket steps overlap backward on a worker thread), "
@@ -112,6 +110,31 @@ class AdamW(torch.optim.Optimizer):
         # Separate host master: the model's state_dict() / load_state_dict() go through the host master (flow
         # parameters hold no bytes between uses; a loaded stationary weight must reach the master too).
         self._model_state = ModelStateHooks(self) if self.host_master == "separate" else None
+
+    # NOTE: copies. torch's Optimizer pickles (and deep-copies) defaults, state and param_groups only, which
+    # left a copy without the attributes this class sets in __init__ (its buckets, its public settings). A copy
+    # is instead built again from its constructor arguments (over the copied parameters, which therefore get
+    # buckets of their own) and loads the original's state_dict (moments, step counts, fp32 master of bf16
+    # parameters). Hooks are dropped, as torch drops them; compiled graphs stay with the original.
+    def __reduce__(self):
+        counters = {k: getattr(self, k) for k in ("last_grad_norm", "last_step_skipped", "last_step_clipped")}
+        return (_rebuilt, (self.param_groups, self._constructor_arguments(), self.state_dict(), counters))
+
+    def _constructor_arguments(self) -> dict:
+        """The keyword arguments that build an optimizer like this one (``cpu_worker`` and ``host_master`` as
+        resolved, ``bucket_size`` in bytes); the per-group values are in the param groups."""
+        return dict(**{k: self.defaults[k] for k in ("lr", "betas", "eps", "weight_decay", "decoupled")},
+                    max_grad_norm=self.max_grad_norm, bucket_size=self.bucket_size,
+                    grad_accumulation_steps=self.grad_accumulation_steps, skip_nonfinite=self.skip_nonfinite,
+                    rollback=self.rollback, predict_clipping=self._speculator.predict, cpu_worker=self.cpu_worker,
+                    host_master=self.host_master)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's ``add_param_group``, after the group's own lr / betas / eps / weight_decay pass the same
+        checks as the constructor's (torch checks the defaults only: a NaN group lr trained NaN weights)."""
+        if isinstance(param_group, dict):
+            check_group(param_group, where=f"param group {len(self.param_groups)}: ")
+        super().add_param_group(param_group)
 
     # ----------------------------------------------------------------- layout
     def _all_params(self) -> list[nn.Parameter]:
@@ -488,3 +511,11 @@ class AdamW(torch.optim.Optimizer):
             self._model_state.remove()
         if getattr(self, "_worker", None) is not None:
             self._worker.shutdown()
+
+
+def _rebuilt(param_groups: list[dict], arguments: dict, state_dict: dict, counters: dict) -> AdamW:
+    """A copy of a pickled or deep-copied AdamW (see ``AdamW.__reduce__``)."""
+    opt = AdamW(param_groups, **arguments)
+    opt.load_state_dict(state_dict)
+    opt.__dict__.update(counters)
+    return opt
