@@ -149,3 +149,118 @@ def test_a_copy_keeps_the_public_attributes_and_the_state_and_trains_on_alike(ho
     # The copy steps its own parameters exactly as the original steps its own (same kernel, same state).
     _train_pair(ours, copied, opt, dup, steps=2)
     assert _max_err(ours, copied) == 0.0
+
+
+# ------------------------------------------------------------------ case 4: complex parameters
+def _train_against_torch(dtypes, steps=3, clip=None, **kwargs):
+    """socompile.AdamW and torch.optim.AdamW (+ clip_grad_norm_) over identical parameters of ``dtypes``."""
+    g = torch.Generator().manual_seed(0)
+    ours = [nn.Parameter(torch.randn(5, 7, generator=g, dtype=dt)) for dt in dtypes]
+    ref = [nn.Parameter(p.detach().clone()) for p in ours]
+    opt = socompile.AdamW(ours, lr=0.01, weight_decay=0.1, max_grad_norm=clip, **kwargs)
+    ref_opt = torch.optim.AdamW(ref, lr=0.01, weight_decay=0.1)
+    for step in range(steps):
+        for a, b, grad in zip(ours, ref, _grads(ours, step)):
+            a.grad, b.grad = grad.clone(), grad.clone()
+        opt.step()
+        opt.zero_grad()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref, clip)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return ours, ref, opt, ref_opt
+
+
+@pytest.mark.parametrize("host_master", ["auto", "separate"])
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_complex_parameters_train_like_torch_adamw_on_their_real_view(host_master, clip):
+    steps = 3
+    ours, ref, opt, ref_opt = _train_against_torch([torch.complex64, torch.float32], steps, clip,
+                                                   host_master=host_master)
+    assert ours[0].dtype == torch.complex64
+    # fp32 real views: each step within 2 ulps of the weight (FP32_ULP); with clipping the coefficient is
+    # formed from a norm summed in another order (torch: per tensor, complex |z|), a relative 1e-7 on the
+    # gradients that Adam's m / sqrt(v) cancels to first order.
+    bound = steps * 2 * FP32_ULP * max(p.abs().max().item() for p in ref)
+    assert _max_err(ours, ref) <= bound
+    state, ref_state = opt.state[ours[0]], ref_opt.state[ref[0]]
+    assert state["exp_avg"].dtype == torch.complex64   # torch's layout: complex moments of the real view
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.allclose(state[key], ref_state[key], rtol=4 * steps * FP32_ULP, atol=0.0), key
+
+
+# ------------------------------------------------------------------ case 5: float64 parameters
+@pytest.mark.parametrize("host_master", ["auto", "separate"])
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_float64_parameters_keep_float64_state_and_equal_torch_float64_adamw(host_master, clip):
+    steps = 3
+    # Unclipped, one float32 parameter too: a mixed model gets one bucket per dtype (a flat buffer holds one
+    # dtype). Not with clipping: torch's clip_grad_norm_ takes the float32 tensor's norm in float32, a
+    # relative 1e-7 in the coefficient that a float64 comparison would see.
+    dtypes = [torch.float64, torch.float64] + ([torch.float32] if clip is None else [])
+    ours, ref, opt, ref_opt = _train_against_torch(dtypes, steps, clip, host_master=host_master)
+    slot = opt._slot[id(ours[0])][0]
+    assert slot.master.dtype == slot.exp_avg.dtype == torch.float64
+    assert opt.state[ours[0]]["exp_avg_sq"].dtype == torch.float64
+    # float64 buckets are stepped by torch's fused AdamW (the same formula as torch's for-loop, fused):
+    # each step within 2 float64 ulps of the weight. The float32 master trained before was 6.4e-7 off.
+    bound64 = steps * 2 * FP64_ULP * max(p.abs().max().item() for p in ref[:2])
+    assert _max_err(ours[:2], ref[:2]) <= bound64
+    if clip is None:
+        bound32 = steps * 2 * FP32_ULP * ref[2].abs().max().item()
+        assert _max_err(ours[2:], ref[2:]) <= bound32
+
+
+def test_a_compiled_float64_model_equals_torch_float64_adamw():
+    # Compiled: the backward graph hands the gradients over (the plan's "float32" link must not narrow
+    # float64 gradients) and, with clipping, the CPU worker speculates into the ping-pong spare.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4)).double()
+    ref = copy.deepcopy(model)
+    opt = socompile.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=1.0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    compiled = torch.compile(model, backend=socompile.SuperOffload({"compute": "eager", "gpu_buckets": 0}))
+    steps = 3
+    for _ in range(steps):
+        x = torch.randn(8, 16, dtype=torch.float64)
+        compiled(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ref(x).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert opt.stats["speculated"] > 0
+    # the same float64 gradients (same aten ops, eager compute), then steps as in the eager test above
+    bound = steps * 2 * FP64_ULP * max(p.abs().max().item() for p in ref.parameters())
+    assert _max_err(list(model.parameters()), list(ref.parameters())) <= bound
+
+
+def test_a_float64_bucket_steps_into_its_spare_and_rolls_back_with_the_inverse():
+    from socompile.runtime.cpu_adam import rollback_inplace, step_bucket
+    from socompile.runtime.flat_bucket import FlatBucket
+
+    params = _params(dtype=torch.float64)
+    bucket = FlatBucket(0, params)
+    bucket.group_of = [0, 0]
+    groups = [dict(lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, decoupled=True)]
+    for i, grad in enumerate(_grads(params, 0)):
+        bucket.receive(i, grad, accumulate=False)
+    for i in range(len(params)):   # a state as after some steps (segments only: the padding stays zero)
+        bucket.view(bucket.exp_avg, i).uniform_(-0.1, 0.1)
+        bucket.view(bucket.exp_avg_sq, i).uniform_(0.0, 0.01)
+    bucket.steps = [4, 4]
+    before = [t.clone() for t in (bucket.master, bucket.exp_avg, bucket.exp_avg_sq)]
+    step_bucket(bucket, groups, grad_scale=0.5, into_spare=True)
+    assert all(torch.equal(t, b) for t, b in zip((bucket.master, bucket.exp_avg, bucket.exp_avg_sq), before))
+    spare = [t.clone() for t in bucket.spare]
+    step_bucket(bucket, groups, grad_scale=0.5)          # in place: bitwise what the spare got
+    after = (bucket.master, bucket.exp_avg, bucket.exp_avg_sq)
+    assert all(torch.equal(t, s) for t, s in zip(after, spare))
+    assert not torch.equal(bucket.master, before[0])
+    rollback_inplace(bucket, groups, grad_scale=0.5)
+    # The inverse's ~5 float64 roundings plus the step's own (not undone) stay within 8 ulps of the largest
+    # value each buffer held.
+    for now, then in zip((bucket.master, bucket.exp_avg, bucket.exp_avg_sq), before):
+        scale = max(now.abs().max().item(), then.abs().max().item())
+        assert (now - then).abs().max().item() <= 8 * FP64_ULP * scale

@@ -31,7 +31,7 @@ from ..options import parse_bytes
 from ..plan.bucketize import bucketize
 from ..runtime.cpu_adam import grad_stats, rollback_inplace, step_bucket
 from ..runtime.events import EventLog
-from ..runtime.flat_bucket import FlatBucket
+from ..runtime.flat_bucket import FlatBucket, real_dtype
 from ..runtime.host_master import upload_order
 from ..runtime.speculation import Speculator, clip_coefficient
 from ..runtime.worker import CPUWorker
@@ -43,6 +43,15 @@ from .owner import set_owner
 from .state_dict import torch_param_group  # noqa: F401  (imported from here by socompile.distributed)
 
 log = logging.getLogger("socompile")
+
+
+def _by_storage(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """``params`` split by what one flat bucket can hold together (one real dtype, one device), in order of
+    first appearance; a model of one dtype is one list."""
+    kinds: dict[tuple, list[nn.Parameter]] = {}
+    for p in params:
+        kinds.setdefault((real_dtype(p.dtype), p.device), []).append(p)
+    return list(kinds.values())
 
 
 class AdamW(torch.optim.Optimizer):
@@ -77,8 +86,9 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"host_master must be 'shared' (fp32 CPU parameters alias the fp32 master), 'separate' "
                              f"(the parameters keep their dtype and device; the fp32 master stays on the host) or "
                              f"'auto' (separate when any parameter is not an fp32 CPU tensor), got {host_master!r}")
-        if host_master == "auto":
-            host_master = "separate" if any(p.dtype != torch.float32 or p.device.type != "cpu"
+        if host_master == "auto":   # shared: the parameters can alias a master of their own dtype
+            host_master = "separate" if any(real_dtype(p.dtype) not in (torch.float32, torch.float64)
+                                            or p.device.type != "cpu"
                                             for g in self.param_groups for p in g["params"]) else "shared"
         self.host_master = host_master
         self.max_grad_norm = max_grad_norm
@@ -152,7 +162,8 @@ class AdamW(torch.optim.Optimizer):
         free = [p for p in reversed(self._all_params())
                 if id(p) not in claimed and (p.requires_grad or p.grad is not None)]
         by_id = {id(p): p for p in free}
-        groups = bucketize([(str(id(p)), p.numel()) for p in free], self.bucket_size)
+        groups = [names for kind in _by_storage(free)
+                  for names in bucketize([(str(id(p)), p.numel()) for p in kind], self.bucket_size)]
         # Pool buckets get negative indices so events never confuse them with a graph's planned buckets.
         self._pool = self._make_buckets([[by_id[int(k)] for k in names] for names in groups],
                                         indices=[-1 - k for k in range(len(groups))])

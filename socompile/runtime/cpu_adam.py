@@ -7,6 +7,8 @@ non-speculative step see bitwise the same global norm.
 """
 from __future__ import annotations
 
+import torch
+
 from .flat_bucket import FlatBucket
 
 
@@ -17,6 +19,12 @@ def _kernel():
         raise ImportError("socompile_ext (the CPU Adam kernel) is not built: run `make test` or "
                           "`pip install --no-build-isolation -e .` in the socompile checkout") from exc
     return socompile_ext
+
+
+def _torch_ops(bucket: FlatBucket) -> bool:
+    """The socompile kernel steps fp32 host buffers; a device-stepped bucket (buffers on a GPU) and a float64
+    one (float64 parameters keep float64 state) are stepped with torch's own ops (runtime/device_adam.py)."""
+    return bucket.master.device.type != "cpu" or bucket.master.dtype != torch.float32
 
 
 def _hyper(group: dict, step: int) -> dict:
@@ -31,12 +39,15 @@ def step_bucket(bucket: FlatBucket, groups: list[dict], grad_scale: float = 1.0,
     ``into_spare``: read the current state, write the ping-pong spare (current state untouched).
     ``final``: the step will not be rolled back, so a bucket with bf16 device weights (separate host master)
     gets their bf16 copy written by the kernel in the same pass (``FlatBucket.low_out``).
-    A bucket whose buffers are on a GPU (device-stepped) is stepped by torch's fused kernel there.
+    A bucket whose buffers are on a GPU (device-stepped), or float64, is stepped by torch's fused kernel.
     Returns the statistics of the scaled gradients. Step counts are bumped by the caller at commit."""
-    if bucket.master.device.type != "cpu":
+    if _torch_ops(bucket):
         from .device_adam import fused_step
-        bucket.dirty = True
-        return fused_step(bucket, groups, grad_scale)
+        bucket.before_host_write()
+        outputs = bucket.spare_buffers() if into_spare else None
+        if outputs is None:
+            bucket.dirty, bucket._low_synced = True, False
+        return fused_step(bucket, groups, grad_scale, outputs=outputs)
     kernel = _kernel()
     bucket.before_host_write()
     outputs = bucket.spare_buffers() if into_spare else None
@@ -62,7 +73,7 @@ def step_bucket(bucket: FlatBucket, groups: list[dict], grad_scale: float = 1.0,
 
 def grad_stats(bucket: FlatBucket) -> tuple[float, bool]:
     """Sum of squared gradients (unscaled) and any-non-finite over the same runs a step would use."""
-    if bucket.grad.device.type != "cpu":
+    if _torch_ops(bucket):
         from .device_adam import device_grad_stats
         return device_grad_stats(bucket)
     kernel = _kernel()
@@ -75,9 +86,13 @@ def grad_stats(bucket: FlatBucket) -> tuple[float, bool]:
 
 def rollback_inplace(bucket: FlatBucket, groups: list[dict], grad_scale: float) -> None:
     """Undo an in-place step with the algebraic inverse (memory-tight mode; not bitwise)."""
-    kernel = _kernel()
     bucket.before_host_write()
     bucket.dirty, bucket._low_synced = True, False
+    if _torch_ops(bucket):
+        from .device_adam import inverse_step
+        inverse_step(bucket, groups, grad_scale)
+        return
+    kernel = _kernel()
     for start, end, gi, step in bucket.runs(bucket.group_of):
         loc = bucket.local(start, end)
         kernel.adam_rollback(bucket.master[start:end], bucket.grad[start:end], bucket.exp_avg[loc],
