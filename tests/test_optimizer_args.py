@@ -264,3 +264,19 @@ def test_a_float64_bucket_steps_into_its_spare_and_rolls_back_with_the_inverse()
     for now, then in zip((bucket.master, bucket.exp_avg, bucket.exp_avg_sq), before):
         scale = max(now.abs().max().item(), then.abs().max().item())
         assert (now - then).abs().max().item() <= 8 * FP64_ULP * scale
+
+
+def test_the_inverse_of_a_float64_step_with_beta1_zero_is_refused_naming_pingpong():
+    from socompile.runtime.cpu_adam import rollback_inplace, step_bucket
+    from socompile.runtime.flat_bucket import FlatBucket
+
+    params = _params(dtype=torch.float64, n=1)
+    bucket = FlatBucket(0, params)
+    bucket.group_of = [0]
+    groups = [dict(lr=0.01, betas=(0.0, 0.999), eps=1e-8, weight_decay=0.1, decoupled=True)]
+    bucket.receive(0, _grads(params, 0)[0], accumulate=False)
+    step_bucket(bucket, groups)
+    before = bucket.master.clone()
+    with pytest.raises(RuntimeError, match="rollback='inverse' cannot undo.*use rollback='pingpong'"):
+        rollback_inplace(bucket, groups, grad_scale=1.0)
+    assert torch.equal(bucket.master, before)   # nothing half-undone

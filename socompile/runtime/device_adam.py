@@ -55,26 +55,34 @@ def _state_slices(bucket, start: int, end: int, outputs):
 def inverse_step(bucket, groups: list[dict], grad_scale: float) -> None:
     """Undo an in-place ``fused_step`` with the same gradients: the step's algebra solved for the previous
     (weights, exp_avg, exp_avg_sq), in float64 (the roundings of the step are not undone). The same algebra as
-    the socompile kernel's ``adam_rollback``."""
-    for start, end, gi, step in bucket.runs(bucket.group_of):
+    the socompile kernel's ``adam_rollback``. Refused before anything changes when a group's step cannot be
+    inverted."""
+    runs = bucket.runs(bucket.group_of)
+    for _, _, gi, _ in runs:
+        _check_invertible(groups[gi])
+    for start, end, gi, step in runs:
         group = groups[gi]
         p, m, v = _state_slices(bucket, start, end, None)
         g = bucket.grad[start:end].double() * grad_scale
         lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
         beta1, beta2 = (float(b) for b in group["betas"])
         decoupled = group.get("decoupled", True)
-        decay = 1.0 - lr * wd if decoupled else 1.0
-        if beta1 == 0.0 or beta2 == 0.0 or decay == 0.0:
-            raise RuntimeError("rollback='inverse' cannot undo a step with beta1 or beta2 == 0 or lr * weight_decay "
-                               "== 1 (the step forgets the previous values); use rollback='pingpong'")
         p1, m1, v1 = p.double(), m.double(), v.double()
         denom = v1.sqrt() / math.sqrt(1.0 - beta2 ** step) + eps
-        p0 = (p1 + lr / (1.0 - beta1 ** step) * m1 / denom) / decay
+        p0 = (p1 + lr / (1.0 - beta1 ** step) * m1 / denom) / (1.0 - lr * wd if decoupled else 1.0)
         if not decoupled and wd != 0.0:
             g = g + wd * p0
         m.copy_((m1 - (1.0 - beta1) * g) / beta1)
         v.copy_(((v1 - (1.0 - beta2) * g * g) / beta2).clamp_(min=0.0))
         p.copy_(p0)
+
+
+def _check_invertible(group: dict) -> None:
+    beta1, beta2 = (float(b) for b in group["betas"])
+    decay = 1.0 - float(group["lr"]) * float(group["weight_decay"]) if group.get("decoupled", True) else 1.0
+    if beta1 == 0.0 or beta2 == 0.0 or decay == 0.0:
+        raise RuntimeError("rollback='inverse' cannot undo a step with beta1 or beta2 == 0 or lr * weight_decay "
+                           "== 1 (the step forgets the previous values); use rollback='pingpong'")
 
 
 def device_grad_stats(bucket) -> tuple[float, bool]:
