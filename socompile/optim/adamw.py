@@ -31,17 +31,27 @@ from ..options import parse_bytes
 from ..plan.bucketize import bucketize
 from ..runtime.cpu_adam import grad_stats, rollback_inplace, step_bucket
 from ..runtime.events import EventLog
-from ..runtime.flat_bucket import FlatBucket
+from ..runtime.flat_bucket import FlatBucket, real_dtype
 from ..runtime.host_master import upload_order
 from ..runtime.speculation import Speculator, clip_coefficient
 from ..runtime.worker import CPUWorker
 from . import state_dict as optimizer_state
 from .graph_claim import GraphClaim
+from .hyper import check_group
 from .module_state import ModelStateHooks, _ModuleHook  # noqa: F401  (_ModuleHook: pickled models name it here)
 from .owner import set_owner
 from .state_dict import torch_param_group  # noqa: F401  (imported from here by socompile.distributed)
 
 log = logging.getLogger("socompile")
+
+
+def _by_storage(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """``params`` split by what one flat bucket can hold together (one real dtype, one device), in order of
+    first appearance; a model of one dtype is one list."""
+    kinds: dict[tuple, list[nn.Parameter]] = {}
+    for p in params:
+        kinds.setdefault((real_dtype(p.dtype), p.device), []).append(p)
+    return list(kinds.values())
 
 
 class AdamW(torch.optim.Optimizer):
@@ -50,15 +60,12 @@ class AdamW(torch.optim.Optimizer):
                  bucket_size: int | str = "64MB", grad_accumulation_steps: int = 1, decoupled: bool = True,
                  skip_nonfinite: bool | None = None, rollback: str = "pingpong", predict_clipping: bool = True,
                  cpu_worker: str = "auto", host_master: str = "auto"):
-        if lr < 0 or eps < 0 or weight_decay < 0:
-            raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"betas must be in [0, 1), got {betas}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled=decoupled)
+        check_group(defaults)   # torch's checks and exception types (socompile/optim/hyper.py)
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm}")
         if grad_accumulation_steps < 1:
             raise ValueError(f"grad_accumulation_steps must be >= 1, got {grad_accumulation_steps}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, decoupled=decoupled)
         super().__init__(params, defaults)
         if cpu_worker not in ("auto", "thread", "inline"):
             raise ValueError(f"cpu_worker must be 'thread' (bucket steps overlap backward on a worker thread), "
@@ -79,8 +86,9 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"host_master must be 'shared' (fp32 CPU parameters alias the fp32 master), 'separate' "
                              f"(the parameters keep their dtype and device; the fp32 master stays on the host) or "
                              f"'auto' (separate when any parameter is not an fp32 CPU tensor), got {host_master!r}")
-        if host_master == "auto":
-            host_master = "separate" if any(p.dtype != torch.float32 or p.device.type != "cpu"
+        if host_master == "auto":   # shared: the parameters can alias a master of their own dtype
+            host_master = "separate" if any(real_dtype(p.dtype) not in (torch.float32, torch.float64)
+                                            or p.device.type != "cpu"
                                             for g in self.param_groups for p in g["params"]) else "shared"
         self.host_master = host_master
         self.max_grad_norm = max_grad_norm
@@ -113,6 +121,31 @@ class AdamW(torch.optim.Optimizer):
         # parameters hold no bytes between uses; a loaded stationary weight must reach the master too).
         self._model_state = ModelStateHooks(self) if self.host_master == "separate" else None
 
+    # NOTE: copies. torch's Optimizer pickles (and deep-copies) defaults, state and param_groups only, which
+    # left a copy without the attributes this class sets in __init__ (its buckets, its public settings). A copy
+    # is instead built again from its constructor arguments (over the copied parameters, which therefore get
+    # buckets of their own) and loads the original's state_dict (moments, step counts, fp32 master of bf16
+    # parameters). Hooks are dropped, as torch drops them; compiled graphs stay with the original.
+    def __reduce__(self):
+        counters = {k: getattr(self, k) for k in ("last_grad_norm", "last_step_skipped", "last_step_clipped")}
+        return (_rebuilt, (self.param_groups, self._constructor_arguments(), self.state_dict(), counters))
+
+    def _constructor_arguments(self) -> dict:
+        """The keyword arguments that build an optimizer like this one (``cpu_worker`` and ``host_master`` as
+        resolved, ``bucket_size`` in bytes); the per-group values are in the param groups."""
+        return dict(**{k: self.defaults[k] for k in ("lr", "betas", "eps", "weight_decay", "decoupled")},
+                    max_grad_norm=self.max_grad_norm, bucket_size=self.bucket_size,
+                    grad_accumulation_steps=self.grad_accumulation_steps, skip_nonfinite=self.skip_nonfinite,
+                    rollback=self.rollback, predict_clipping=self._speculator.predict, cpu_worker=self.cpu_worker,
+                    host_master=self.host_master)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's ``add_param_group``, after the group's own lr / betas / eps / weight_decay pass the same
+        checks as the constructor's (torch checks the defaults only: a NaN group lr trained NaN weights)."""
+        if isinstance(param_group, dict):
+            check_group(param_group, where=f"param group {len(self.param_groups)}: ")
+        super().add_param_group(param_group)
+
     # ----------------------------------------------------------------- layout
     def _all_params(self) -> list[nn.Parameter]:
         return [p for group in self.param_groups for p in group["params"]]
@@ -129,7 +162,8 @@ class AdamW(torch.optim.Optimizer):
         free = [p for p in reversed(self._all_params())
                 if id(p) not in claimed and (p.requires_grad or p.grad is not None)]
         by_id = {id(p): p for p in free}
-        groups = bucketize([(str(id(p)), p.numel()) for p in free], self.bucket_size)
+        groups = [names for kind in _by_storage(free)
+                  for names in bucketize([(str(id(p)), p.numel()) for p in kind], self.bucket_size)]
         # Pool buckets get negative indices so events never confuse them with a graph's planned buckets.
         self._pool = self._make_buckets([[by_id[int(k)] for k in names] for names in groups],
                                         indices=[-1 - k for k in range(len(groups))])
@@ -488,3 +522,11 @@ class AdamW(torch.optim.Optimizer):
             self._model_state.remove()
         if getattr(self, "_worker", None) is not None:
             self._worker.shutdown()
+
+
+def _rebuilt(param_groups: list[dict], arguments: dict, state_dict: dict, counters: dict) -> AdamW:
+    """A copy of a pickled or deep-copied AdamW (see ``AdamW.__reduce__``)."""
+    opt = AdamW(param_groups, **arguments)
+    opt.load_state_dict(state_dict)
+    opt.__dict__.update(counters)
+    return opt

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..integrity import bad_values, is_step_count
+from ..runtime.flat_bucket import flat_real, real_dtype
 
 if TYPE_CHECKING:
     from .adamw import AdamW
@@ -110,7 +111,7 @@ def save(opt: "AdamW") -> dict:
         bucket, i = slot
         opt._alias_state(bucket, i, state)
         state["step"] = torch.tensor(float(bucket.steps[i]), dtype=torch.float32)
-        if bucket.mirror and p.dtype != torch.float32:
+        if bucket.master.dtype != real_dtype(p.dtype):
             state["master"] = bucket.view(bucket.master, i)   # the fp32 weights the bf16 ones round
     out = torch.optim.Optimizer.state_dict(opt)
     out["param_groups"] = [torch_param_group(group) for group in out["param_groups"]]
@@ -165,9 +166,9 @@ def load(opt: "AdamW", state_dict) -> None:
                 continue
             held = bucket.held(i)   # sharded: copy this rank's part of the whole moments
             for key, buffer in (("exp_avg", bucket.exp_avg), ("exp_avg_sq", bucket.exp_avg_sq)):
-                if held is not None:
-                    bucket.state_part(buffer, i).copy_(raw.get(id(p), state)[key].reshape(-1)[held[0]:held[1]]
-                                                       .view_as(bucket.state_part(buffer, i)))
+                if held is not None:   # flat and real (complex parameters: their real view), as the bucket
+                    flat_real(bucket.state_part(buffer, i)).copy_(
+                        flat_real(raw.get(id(p), state)[key])[held[0]:held[1]])
             opt._alias_state(bucket, i, state)
             bucket.steps[i] = int(float(state["step"]))
             state["step"] = torch.tensor(float(bucket.steps[i]), dtype=torch.float32)

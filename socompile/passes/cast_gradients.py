@@ -22,6 +22,14 @@ PASS_NAME = "cast_gradients"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _kept_as_is(grad_dtype: torch.dtype, link: torch.dtype) -> bool:
+    """A float64 or complex gradient is not cast to the plan's "float32" (the planner's name for any
+    full-precision link): float64 parameters keep float64 optimizer state (runtime/flat_bucket.py,
+    ``state_dtype``), which a float32 gradient would put 1e-8 relative off torch's float64 AdamW, and a cast
+    of a complex gradient to a real dtype drops its imaginary part."""
+    return link == torch.float32 and (grad_dtype == torch.float64 or grad_dtype.is_complex)
+
+
 @register(PASS_NAME, phase="bw")
 def cast_gradients(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
     build = _Builder(gm, PASS_NAME)
@@ -36,7 +44,7 @@ def cast_gradients(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
         grads = []
         for g in node.args[0]:
             val = g.meta.get("val")
-            if isinstance(val, torch.Tensor) and val.dtype != want:
+            if isinstance(val, torch.Tensor) and val.dtype != want and not _kept_as_is(val.dtype, want):
                 with gm.graph.inserting_before(node):
                     g = build.call(torch.ops.prims.convert_element_type.default, (g, want),
                                    f"bucket {bucket.index}: gradients cross the link as {bucket.link_dtype}", g)

@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from .flat_bucket import FlatBucket
+import torch
 
+from .flat_bucket import FlatBucket
 # The kernel's thread count is one process-wide setting (socompile_ext.set_num_threads). A bucket whose compiled
 # model pinned it (option optimizer_threads) sets it for its own kernel calls only; every kernel call holds this
 # lock, so no call (another model's, on another thread) runs with a count that is not its own.
 _KERNEL_THREADS_LOCK = threading.Lock()
+
 
 
 def _kernel():
@@ -43,6 +45,12 @@ def _kernel_threads(kernel, bucket: FlatBucket):
             kernel.set_num_threads(before)
 
 
+def _torch_ops(bucket: FlatBucket) -> bool:
+    """The socompile kernel steps fp32 host buffers; a device-stepped bucket (buffers on a GPU) and a float64
+    one (float64 parameters keep float64 state) are stepped with torch's own ops (runtime/device_adam.py)."""
+    return bucket.master.device.type != "cpu" or bucket.master.dtype != torch.float32
+
+
 def _hyper(group: dict, step: int) -> dict:
     beta1, beta2 = group["betas"]
     return dict(step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
@@ -55,12 +63,15 @@ def step_bucket(bucket: FlatBucket, groups: list[dict], grad_scale: float = 1.0,
     ``into_spare``: read the current state, write the ping-pong spare (current state untouched).
     ``final``: the step will not be rolled back, so a bucket with bf16 device weights (separate host master)
     gets their bf16 copy written by the kernel in the same pass (``FlatBucket.low_out``).
-    A bucket whose buffers are on a GPU (device-stepped) is stepped by torch's fused kernel there.
+    A bucket whose buffers are on a GPU (device-stepped), or float64, is stepped by torch's fused kernel.
     Returns the statistics of the scaled gradients. Step counts are bumped by the caller at commit."""
-    if bucket.master.device.type != "cpu":
+    if _torch_ops(bucket):
         from .device_adam import fused_step
-        bucket.dirty = True
-        return fused_step(bucket, groups, grad_scale)
+        bucket.before_host_write()
+        outputs = bucket.spare_buffers() if into_spare else None
+        if outputs is None:
+            bucket.dirty, bucket._low_synced = True, False
+        return fused_step(bucket, groups, grad_scale, outputs=outputs)
     kernel = _kernel()
     bucket.before_host_write()
     outputs = bucket.spare_buffers() if into_spare else None
@@ -87,7 +98,7 @@ def step_bucket(bucket: FlatBucket, groups: list[dict], grad_scale: float = 1.0,
 
 def grad_stats(bucket: FlatBucket) -> tuple[float, bool]:
     """Sum of squared gradients (unscaled) and any-non-finite over the same runs a step would use."""
-    if bucket.grad.device.type != "cpu":
+    if _torch_ops(bucket):
         from .device_adam import device_grad_stats
         return device_grad_stats(bucket)
     kernel = _kernel()
@@ -101,9 +112,13 @@ def grad_stats(bucket: FlatBucket) -> tuple[float, bool]:
 
 def rollback_inplace(bucket: FlatBucket, groups: list[dict], grad_scale: float) -> None:
     """Undo an in-place step with the algebraic inverse (memory-tight mode; not bitwise)."""
-    kernel = _kernel()
     bucket.before_host_write()
     bucket.dirty, bucket._low_synced = True, False
+    if _torch_ops(bucket):
+        from .device_adam import inverse_step
+        inverse_step(bucket, groups, grad_scale)
+        return
+    kernel = _kernel()
     with _kernel_threads(kernel, bucket):
         for start, end, gi, step in bucket.runs(bucket.group_of):
             loc = bucket.local(start, end)

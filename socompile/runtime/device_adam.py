@@ -1,24 +1,30 @@
-"""The AdamW/Adam step of a device-stepped bucket with torch's fused kernel (``torch._fused_adamw_`` /
-``torch._fused_adam_``), run by the bucket's buffers' own device: on CUDA that is the fast path for
-GPU-resident buckets; on the CPU the same kernel exists, so the CPU tests check this code's arithmetic.
+"""The AdamW/Adam step of a bucket with torch's fused kernel (``torch._fused_adamw_`` / ``torch._fused_adam_``),
+run by the bucket's buffers' own device: on CUDA that is the fast path for GPU-resident (device-stepped)
+buckets; on the CPU it steps float64 buckets (float64 parameters keep float64 state, which the socompile kernel,
+fp32 only, cannot step), and the CPU tests check this code's arithmetic with it.
 
 Same contract as runtime/cpu_adam.step_bucket: step every run of segments with a gradient at ``steps[i] + 1``,
-scale gradients by ``grad_scale`` (clipping), return (sum of squared scaled gradients, any non-finite).
+scale gradients by ``grad_scale`` (clipping), return (sum of squared scaled gradients, any non-finite);
+``outputs`` (the ping-pong spare) receive the step while the current state stays as it was. ``inverse_step``
+is the algebraic inverse of an in-place step (rollback="inverse").
 
-Called by runtime/cpu_adam.step_bucket (and ``device_grad_stats`` by its grad_stats) for a bucket whose
-buffers are not on the CPU: a device-stepped bucket of a model on a GPU (FlatBucket with a separate host master,
-``site="device"``). On the CPU build device-stepped buckets are host memory and take the socompile kernel.
+Called by runtime/cpu_adam.step_bucket (``device_grad_stats`` by its grad_stats, ``inverse_step`` by its
+rollback_inplace) for a bucket whose buffers are not fp32 host memory: a device-stepped bucket of a model on a
+GPU (FlatBucket with a separate host master, ``site="device"``), or a float64 bucket.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
 
-def fused_step(bucket, groups: list[dict], grad_scale: float = 1.0) -> tuple[float, bool]:
+def fused_step(bucket, groups: list[dict], grad_scale: float = 1.0, outputs=None) -> tuple[float, bool]:
     total = torch.zeros((), dtype=torch.float64, device=bucket.master.device)
     for start, end, gi, step in bucket.runs(bucket.group_of):
         group = groups[gi]
-        p, g, m, v = (t[start:end] for t in (bucket.master, bucket.grad, bucket.exp_avg, bucket.exp_avg_sq))
+        p, m, v = _state_slices(bucket, start, end, outputs)
+        g = bucket.grad[start:end]
         if grad_scale != 1.0:
             g = g * grad_scale
         total += g.double().square().sum()
@@ -31,6 +37,52 @@ def fused_step(bucket, groups: list[dict], grad_scale: float = 1.0) -> tuple[flo
                maximize=False)
     value = float(total)        # one device->host sync per bucket, as the kernel's own statistics need
     return value, not torch.isfinite(torch.tensor(value)).item()
+
+
+def _state_slices(bucket, start: int, end: int, outputs):
+    """(weights, exp_avg, exp_avg_sq) of bucket elements [start, end) that the step updates in place: the
+    bucket's own, or with ``outputs`` (the spare) the spare's, first filled with the current values."""
+    loc = bucket.local(start, end)
+    current = (bucket.master[start:end], bucket.exp_avg[loc], bucket.exp_avg_sq[loc])
+    if outputs is None:
+        return current
+    spare = tuple(buffer[loc] for buffer in outputs)   # indexed like the state (a sharded spare: its window)
+    for dst, src in zip(spare, current):
+        dst.copy_(src)
+    return spare
+
+
+def inverse_step(bucket, groups: list[dict], grad_scale: float) -> None:
+    """Undo an in-place ``fused_step`` with the same gradients: the step's algebra solved for the previous
+    (weights, exp_avg, exp_avg_sq), in float64 (the roundings of the step are not undone). The same algebra as
+    the socompile kernel's ``adam_rollback``. Refused before anything changes when a group's step cannot be
+    inverted."""
+    runs = bucket.runs(bucket.group_of)
+    for _, _, gi, _ in runs:
+        _check_invertible(groups[gi])
+    for start, end, gi, step in runs:
+        group = groups[gi]
+        p, m, v = _state_slices(bucket, start, end, None)
+        g = bucket.grad[start:end].double() * grad_scale
+        lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+        beta1, beta2 = (float(b) for b in group["betas"])
+        decoupled = group.get("decoupled", True)
+        p1, m1, v1 = p.double(), m.double(), v.double()
+        denom = v1.sqrt() / math.sqrt(1.0 - beta2 ** step) + eps
+        p0 = (p1 + lr / (1.0 - beta1 ** step) * m1 / denom) / (1.0 - lr * wd if decoupled else 1.0)
+        if not decoupled and wd != 0.0:
+            g = g + wd * p0
+        m.copy_((m1 - (1.0 - beta1) * g) / beta1)
+        v.copy_(((v1 - (1.0 - beta2) * g * g) / beta2).clamp_(min=0.0))
+        p.copy_(p0)
+
+
+def _check_invertible(group: dict) -> None:
+    beta1, beta2 = (float(b) for b in group["betas"])
+    decay = 1.0 - float(group["lr"]) * float(group["weight_decay"]) if group.get("decoupled", True) else 1.0
+    if beta1 == 0.0 or beta2 == 0.0 or decay == 0.0:
+        raise RuntimeError("rollback='inverse' cannot undo a step with beta1 or beta2 == 0 or lr * weight_decay "
+                           "== 1 (the step forgets the previous values); use rollback='pingpong'")
 
 
 def device_grad_stats(bucket) -> tuple[float, bool]:

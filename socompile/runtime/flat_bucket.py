@@ -33,9 +33,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .host_master import HostMasterCopies
+from .host_master import HostMasterCopies, flat_real
 
 ALIGN = 16  # elements: 64 bytes, a cache line and an AVX-512 vector
+
+
+def real_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The real dtype a parameter's elements are stepped in: a complex parameter is stepped as its real view
+    (``torch.view_as_real``, as torch.optim.AdamW does), so complex64 -> float32, complex128 -> float64."""
+    return {torch.complex64: torch.float32, torch.complex128: torch.float64}.get(dtype, dtype)
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the master, gradients and moments of parameters of ``dtype``: float64 for float64 (and
+    complex128) parameters, so they train as torch.optim.AdamW trains them; float32 for the others (bf16 and
+    fp16 parameters get an fp32 master)."""
+    return torch.float64 if real_dtype(dtype) == torch.float64 else torch.float32
 
 
 def _round_up(n: int, k: int) -> int:
@@ -58,11 +71,12 @@ class FlatBucket(HostMasterCopies):
         self.mirror = host_master == "separate"
         if not self.mirror:
             for p in params:
-                if p.dtype != torch.float32 or p.device.type != "cpu":
+                if real_dtype(p.dtype) not in (torch.float32, torch.float64) or p.device.type != "cpu":
                     raise TypeError(f"host_master='shared' makes the parameters alias the fp32 host master, so it "
-                                    f"needs fp32 CPU parameters; got a {p.dtype} parameter on {p.device}. Use "
-                                    f"host_master='auto' (a separate host master for GPU or non-fp32 parameters).")
-        elif params and len({(p.dtype, p.device) for p in params}) > 1:
+                                    f"needs fp32 CPU parameters (or fp64 ones, with an fp64 master); got a "
+                                    f"{p.dtype} parameter on {p.device}. Use host_master='auto' (a separate host "
+                                    f"master for GPU or bf16/fp16 parameters).")
+        if params and len({(real_dtype(p.dtype), p.device) for p in params}) > 1:
             kinds = sorted({f"{p.dtype} on {p.device}" for p in params})
             raise TypeError(f"the parameters of one optimizer bucket must share dtype and device (one flat device "
                             f"buffer holds them); bucket {index} has {', '.join(kinds)}. Cast the model to one dtype "
@@ -75,14 +89,16 @@ class FlatBucket(HostMasterCopies):
         self.site = site               # "cpu": the CPU kernel steps the host master; "device": state on the device
         self.flow = flow and self.mirror and site == "cpu"
         self.runtime = runtime         # DeviceRuntime of the parameters' device (mirror mode)
-        self.dtype = params[0].dtype if params else torch.float32
+        self.dtype = real_dtype(params[0].dtype) if params else torch.float32   # of the flat weights
+        self.state_dtype = state_dtype(self.dtype)   # of master, grad, moments and spare
         self.device = params[0].device if params else torch.device("cpu")
         self.offsets, self.sizes = [], []
         total = 0
         for p in params:
             self.offsets.append(total)
-            self.sizes.append(p.numel())
-            total += _round_up(p.numel(), ALIGN)
+            n = p.numel() * (2 if p.is_complex() else 1)   # a complex element is two real ones
+            self.sizes.append(n)
+            total += _round_up(n, ALIGN)
         self.numel = total
         self.master = self._state_buffer(total)
         self.grad = self._state_buffer(total)
@@ -108,13 +124,13 @@ class FlatBucket(HostMasterCopies):
         self._views: dict[tuple[int, int], torch.Tensor] = {}
 
     def _state_buffer(self, n: int) -> torch.Tensor:
-        """A zeroed fp32 buffer for master / grad / moments / spare: on the device for a device-stepped mirror
-        bucket, pinned host memory when a CUDA runtime copies it, else ordinary host memory."""
+        """A zeroed buffer (``state_dtype``) for master / grad / moments / spare: on the device for a
+        device-stepped mirror bucket, pinned host memory when a CUDA runtime copies it, else host memory."""
         if self.mirror and self.site == "device":
-            return torch.zeros(n, dtype=torch.float32, device=self.device)
+            return torch.zeros(n, dtype=self.state_dtype, device=self.device)
         if self._cuda_host():
-            return self.runtime.host_buffer(n, torch.float32).zero_()
-        return torch.zeros(n)
+            return self.runtime.host_buffer(n, self.state_dtype).zero_()
+        return torch.zeros(n, dtype=self.state_dtype)
 
     @staticmethod
     def _no_zero():
@@ -136,12 +152,20 @@ class FlatBucket(HostMasterCopies):
         # found in the cache again.)
         own = (self.master, self.grad, self.exp_avg, self.exp_avg_sq, *(self.spare or ()))
         if not any(buffer is b for b in own):
-            return buffer[self.segment(i)].view(self.params[i].shape)
+            return self._shaped(buffer, i)
         key = (buffer.data_ptr(), i)
         cached = self._views.get(key)
         if cached is None:
-            cached = self._views[key] = buffer[self.segment(i)].view(self.params[i].shape)
+            cached = self._views[key] = self._shaped(buffer, i)
         return cached
+
+    def _shaped(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter i's segment of ``buffer`` as a tensor like the parameter: a complex parameter's segment
+        holds its real view, so it is viewed back as complex (segments start at even elements, ``ALIGN``)."""
+        p = self.params[i]
+        if p.is_complex():
+            return torch.view_as_complex(buffer[self.segment(i)].view(*p.shape, 2))
+        return buffer[self.segment(i)].view(p.shape)
 
     @property
     def sharded(self) -> bool:
@@ -195,7 +219,7 @@ class FlatBucket(HostMasterCopies):
                 self._adopt_state(i, bucket, j)
                 self.steps[i], self.has_grad[i] = bucket.steps[j], bucket.has_grad[j]
             else:
-                self.master[seg].copy_(p.detach().reshape(-1))
+                self.master[seg].copy_(flat_real(p.detach()))
             if not self.mirror:
                 p.data = self.view(self.master, i)
                 if p.grad is not None:  # keep a pending gradient, now as a view of this bucket
@@ -229,8 +253,8 @@ class FlatBucket(HostMasterCopies):
             raise RuntimeError("socompile: a sharded optimizer's state must be moved between ranks before its "
                                "buckets are laid out again (ZeroSharding.unshard_state); this is a bug")
         for mine, theirs in ((self.exp_avg, bucket.exp_avg), (self.exp_avg_sq, bucket.exp_avg_sq)):
-            src = bucket.state_part(theirs, j).reshape(-1)[want[0] - have[0]:want[1] - have[0]]
-            self.state_part(mine, i).reshape(-1).copy_(src)
+            src = flat_real(bucket.state_part(theirs, j))[want[0] - have[0]:want[1] - have[0]]
+            flat_real(self.state_part(mine, i)).copy_(src)
 
     def gather_eager_grads(self) -> None:
         """Take gradients that autograd left in ``.grad`` (eager use, or parts of a model not compiled)."""

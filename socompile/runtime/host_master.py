@@ -27,6 +27,12 @@ import contextlib
 import torch
 
 
+def flat_real(t: torch.Tensor) -> torch.Tensor:
+    """``t`` flattened as a bucket stores it: a complex tensor as its interleaved (real, imaginary) elements
+    (``torch.view_as_real``; torch.optim.AdamW steps complex parameters as these real views)."""
+    return (torch.view_as_real(t) if t.is_complex() else t).reshape(-1)
+
+
 def upload_order(buckets: list) -> list:
     """Buckets in the order the next forward first reads them (``fw_rank``, set by passes/wait_uploads.py),
     then the others in reverse gradient order (the forward order of an eager model), so that the uploads
@@ -213,16 +219,16 @@ class HostMasterCopies:
                     if self._stage32 is None:
                         self._stage32 = self.runtime.host_buffer(self.numel, torch.float32)
                     self._pending_adds.append(i)
-                pairs.append(((self._stage32 if add else self.grad)[seg], g.reshape(-1)))
+                pairs.append(((self._stage32 if add else self.grad)[seg], flat_real(g)))
                 self.has_grad[i] = True
             self.grad_event = self.runtime.copy_many_async(pairs, self.runtime.stream("d2h"))
             return
         for i, g in zip(segments, grads):
             dst = self.grad[self.segment(i)]
             if accumulate and self.has_grad[i]:
-                dst.add_(g.reshape(-1))
+                dst.add_(flat_real(g))
             else:
-                dst.copy_(g.reshape(-1))
+                dst.copy_(flat_real(g))
             self.has_grad[i] = True
 
     def wait_grads(self) -> None:

@@ -1,0 +1,74 @@
+"""Checks of socompile.AdamW's hyperparameters (``lr``, ``betas``, ``eps``, ``weight_decay``), for the
+constructor's arguments and for every param group alike (``add_param_group``, per-group values).
+
+torch.optim.AdamW's semantics and exception types: ``lr`` may be a 1-element tensor (kept as is, so an LR
+scheduler that fills it in place is seen at the next step; the kernels read ``float(lr)`` at step time),
+a bad value is a ``ValueError``, a value of the wrong type a ``TypeError``. Stricter than torch on one point:
+a non-finite ``lr``, ``eps`` or ``weight_decay`` (torch rejects NaN only; ``inf`` gives NaN weights as surely)
+is refused too. More lenient on another: integer betas (``(0, 0.99)``) are taken as floats.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+
+class BetasLengthError(IndexError, ValueError):
+    """``betas`` has not exactly two entries. torch.optim.AdamW raises IndexError for a 1-tuple (it indexes
+    ``betas[1]``); this is that type, and a ValueError as well, the type of every other bad value here."""
+
+
+def _scalar(name: str, value, where: str) -> float:
+    """``value`` as a float, for the checks: a real number or a 1-element tensor; else TypeError/ValueError."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{where}{name} as a Tensor must have 1 element (one value for the whole group), got "
+                             f"shape {tuple(value.shape)}; pass a Python float or a 1-element tensor")
+        return float(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    hint = f"; pass {name}={value.strip()}" if isinstance(value, str) and _parses(value) else ""
+    raise TypeError(f"{where}{name} must be a float (or a 1-element tensor), got {type(value).__name__} "
+                    f"{value!r}{hint}")
+
+
+def _parses(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _non_negative(name: str, value, where: str) -> None:
+    x = _scalar(name, value, where)
+    if not (math.isfinite(x) and x >= 0.0):
+        raise ValueError(f"{where}{name} must be a finite number >= 0, got {x} (a NaN or infinite {name} makes "
+                         f"every updated weight NaN)")
+
+
+def checked_betas(betas, where: str = "") -> tuple[float, float]:
+    """``betas`` as a pair of floats in [0, 1) (torch turns 1-element tensors into floats too)."""
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or not hasattr(betas, "__getitem__"):
+        raise TypeError(f"{where}betas must be a pair (beta1, beta2) of floats in [0, 1), e.g. (0.9, 0.999); "
+                        f"got {type(betas).__name__} {betas!r}")
+    if len(betas) != 2:
+        raise BetasLengthError(f"{where}betas must have exactly 2 entries (beta1, beta2), e.g. (0.9, 0.999); "
+                               f"got {len(betas)}: {tuple(betas)!r}")
+    pair = tuple(_scalar(f"betas[{k}]", b, where) for k, b in enumerate(betas))
+    for k, b in enumerate(pair):
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"{where}betas[{k}] must be in [0, 1), got {b}")
+    return pair
+
+
+def check_group(group: dict, where: str = "") -> None:
+    """Check a param group's (or the defaults') hyperparameters, and normalize ``betas`` to a float pair in
+    place. ``where`` prefixes the messages (e.g. "param group 1: ")."""
+    for name in ("lr", "eps", "weight_decay"):
+        if name in group:
+            _non_negative(name, group[name], where)
+    if "betas" in group:
+        group["betas"] = checked_betas(group["betas"], where)
