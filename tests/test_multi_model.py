@@ -11,6 +11,7 @@ torch's by an ulp now and then, ~1e-8 per step: see tests/test_backend_training.
 optimizer, a model's parameters move by ~lr = 1e-3 per step or not at all.
 """
 import copy
+import gc
 
 import pytest
 import torch
@@ -201,3 +202,28 @@ def test_newer_optimizer_over_the_same_parameters_trains_like_torch():
     assert_same_params(model, ref)
     with pytest.raises(RuntimeError, match="taken over by a newer socompile.AdamW.*Use the new optimizer"):
         first.step()
+
+
+def test_optimizer_deleted_then_built_again_gets_the_gradients():
+    # The string backend keeps no compile contexts, so deleting the optimizer frees it and its buckets.
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = socompile.AdamW(model.parameters(), **OPT), torch.optim.AdamW(ref.parameters(), **OPT)
+    cmodel = torch.compile(model, backend="superoffload", options={"compute": "eager", "gpu_buckets": 0})
+    first, second = _mlp_data(2)
+    for m, o in ((cmodel, opt), (ref, ref_opt)):
+        _mlp_loss(m(first)).backward()
+        o.step()
+        o.zero_grad()
+    del opt
+    gc.collect()
+    with pytest.raises(RuntimeError, match="optimizer that this compiled graph was planned for was deleted. "
+                                           "Create a new socompile.AdamW"):
+        _mlp_loss(cmodel(second)).backward()
+    model.zero_grad()
+    opt, ref_opt = socompile.AdamW(model.parameters(), **OPT), torch.optim.AdamW(ref.parameters(), **OPT)
+    for m, o in ((cmodel, opt), (ref, ref_opt)):
+        _mlp_loss(m(second)).backward()
+        o.step()
+    assert_same_params(model, ref)
