@@ -57,14 +57,13 @@ class SuperOffload:
     def __call__(self, gm: fx.GraphModule, example_inputs: list, **_ignored):
         from .capture import find_parameters
 
-        ctx = CompileContext(options=self.options)
         self._check_dynamo_graph(gm)
         params = find_parameters(gm, example_inputs)
         if not params and (errors.graph_break_of(gm) is not None or errors.is_resumed_piece(gm)):
             # A parameter-free piece of a region split by a graph break (e.g. the loss after the break):
             # nothing to offload here, compile its compute as usual.
             log.debug("socompile: a piece of a split graph has no parameters; compiled without the optimizer")
-            return _compile(gm, example_inputs, ctx)
+            return _compile(gm, example_inputs, CompileContext(options=self.options))
         if not params:
             raise OffloadError("superoffload: the compiled graph has no parameters, so there is nothing to "
                                "offload. Compile the nn.Module that owns the parameters, or use "
@@ -120,8 +119,7 @@ class _CompileAgain:
         self._backend = weakref.ref(backend)
         self._options = backend.options
         self._names = names
-        self._gm = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-        self._gm.meta.update(gm.meta)
+        self._gm = copy.deepcopy(gm)   # node meta (fake values, sources) is shared, not copied
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self._example_inputs = [n.meta.get("example_value", n.meta.get("val")) for n in placeholders]
 
@@ -132,9 +130,7 @@ class _CompileAgain:
                  "optimizer): Dynamo shares compiled code between models of one class, and each model's "
                  "optimizer gets its own plan and buckets")
         backend = self._backend() or SuperOffload(self._options)
-        gm = fx.GraphModule(self._gm, copy.deepcopy(self._gm.graph))
-        gm.meta.update(self._gm.meta)
-        return backend._compile_for(gm, self._example_inputs, self._names, params)
+        return backend._compile_for(copy.deepcopy(self._gm), self._example_inputs, self._names, params)
 
 
 def _with_committed_weights(compiled, optimizer):
