@@ -12,6 +12,7 @@ NOTE: this module is what the ``torch_dynamo_backends`` entry point loads: keep 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Mapping
 
 import torch
@@ -56,21 +57,32 @@ class SuperOffload:
     def __call__(self, gm: fx.GraphModule, example_inputs: list, **_ignored):
         from .capture import find_parameters
 
-        ctx = CompileContext(options=self.options)
         self._check_dynamo_graph(gm)
         params = find_parameters(gm, example_inputs)
         if not params and (errors.graph_break_of(gm) is not None or errors.is_resumed_piece(gm)):
             # A parameter-free piece of a region split by a graph break (e.g. the loss after the break):
             # nothing to offload here, compile its compute as usual.
             log.debug("socompile: a piece of a split graph has no parameters; compiled without the optimizer")
-            return _compile(gm, example_inputs, ctx)
+            return _compile(gm, example_inputs, CompileContext(options=self.options))
         if not params:
             raise OffloadError("superoffload: the compiled graph has no parameters, so there is nothing to "
                                "offload. Compile the nn.Module that owns the parameters, or use "
                                "backend='inductor' for parameter-free functions.")
-        ctx.param_names = {index: name for index, name, _ in params}
-        ctx.param_objects = {index: p for index, _, p in params}
-        ctx.optimizer = _owning_optimizer([p for _, _, p in params], [n for _, n, _ in params])
+        from .per_model import PerModelGraphs
+
+        names = {index: name for index, name, _ in params}
+        objects = {index: p for index, _, p in params}
+        again = _CompileAgain(self, gm, names)   # before the first compile, which rewrites gm in place
+        return PerModelGraphs(objects, self._compile_for(gm, example_inputs, names, objects), again)
+
+    def _compile_for(self, gm: fx.GraphModule, example_inputs: list, names: dict[int, str],
+                     params: dict[int, torch.nn.Parameter]):
+        """Compile Dynamo's graph for one model's parameters (graph input index -> parameter) and their
+        optimizer: its plan, claim and buckets."""
+        ctx = CompileContext(options=self.options)
+        ctx.param_names = dict(names)
+        ctx.param_objects = dict(params)
+        ctx.optimizer = _owning_optimizer(list(params.values()), list(names.values()))
         self.compiled.append(ctx)
         compiled = _compile(gm, example_inputs, ctx)
         if not torch.is_grad_enabled() and ctx.optimizer is not None:
@@ -92,13 +104,40 @@ class SuperOffload:
             log.warning(errors.recompile_message(count))
 
 
+class _CompileAgain:
+    """Compiles a Dynamo graph again for another model's parameters (socompile/per_model.py says why).
+
+    It keeps a pristine copy of the graph (compiling rewrites it: Inductor's pre-grad passes) and, as example
+    inputs, Dynamo's fake values of its inputs: symbolic sizes stay symbolic, so a graph Dynamo compiled for
+    dynamic shapes is compiled again for them, and no real tensor of the first model is kept. The backend
+    object is held weakly: ``superoffload()`` makes one per compile, and its ``compiled`` contexts hold their
+    models; once it is gone, a fresh one with the same options compiles."""
+
+    def __init__(self, backend: SuperOffload, gm: fx.GraphModule, names: dict[int, str]):
+        import copy
+
+        self._backend = weakref.ref(backend)
+        self._options = backend.options
+        self._names = names
+        self._gm = copy.deepcopy(gm)   # node meta (fake values, sources) is shared, not copied
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self._example_inputs = [n.meta.get("example_value", n.meta.get("val")) for n in placeholders]
+
+    def __call__(self, params: dict[int, torch.nn.Parameter]):
+        import copy
+
+        log.info("socompile: compiling a graph again for the parameters of another model (or of a new "
+                 "optimizer): Dynamo shares compiled code between models of one class, and each model's "
+                 "optimizer gets its own plan and buckets")
+        backend = self._backend() or SuperOffload(self._options)
+        return backend._compile_for(copy.deepcopy(self._gm), self._example_inputs, self._names, params)
+
+
 def _with_committed_weights(compiled, optimizer):
     """A graph compiled under ``torch.no_grad()`` (evaluation) is an inference graph: AOTAutograd never
     partitions it, so none of the training passes run (no weight fetches, no upload waits), and flow
     parameters of a separate host master hold 0 bytes between uses. Run it with every weight in place, as
     ``opt.materialized_weights()`` gives them (cast from the master, uploads waited for), freed after."""
-    import weakref
-
     owner = weakref.ref(optimizer)
 
     def run(*args):

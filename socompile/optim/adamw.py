@@ -39,7 +39,7 @@ from . import state_dict as optimizer_state
 from .graph_claim import GraphClaim
 from .hyper import check_group
 from .module_state import ModelStateHooks, _ModuleHook  # noqa: F401  (_ModuleHook: pickled models name it here)
-from .owner import set_owner
+from .owner import previous_owners, release, set_owner
 from .state_dict import torch_param_group  # noqa: F401  (imported from here by socompile.distributed)
 
 log = logging.getLogger("socompile")
@@ -107,6 +107,11 @@ class AdamW(torch.optim.Optimizer):
         self._claims: dict[frozenset[int], GraphClaim] = {}
         self._slot: dict[int, tuple[FlatBucket, int]] = {}
         self._group_index: dict[int, int] = {}
+        self._taken_over = False
+        # The newest optimizer over a parameter owns it (optim/owner.py): earlier ones hand theirs back first,
+        # so the buckets below read each parameter's current weights.
+        for previous in previous_owners(self._all_params(), self):
+            previous._hand_over()
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
                 set_owner(p, self)
@@ -145,6 +150,27 @@ class AdamW(torch.optim.Optimizer):
         if isinstance(param_group, dict):
             check_group(param_group, where=f"param group {len(self.param_groups)}: ")
         super().add_param_group(param_group)
+    # -------------------------------------------------------------- takeover
+    def _hand_over(self) -> None:
+        """A newer socompile.AdamW was built over (some of) this optimizer's parameters and takes them over.
+        This one gives all its parameters back to the model as they are now (the step in flight finished, flow
+        weights filled for good, the model's state-dict hooks removed, no owner) and refuses any further use."""
+        self._wait_pending()
+        self.wait_uploads()
+        for bucket in self.buckets:
+            bucket.keep_weights()
+        if self._model_state is not None:
+            self._model_state.remove()
+            self._model_state = None
+        for p in self._all_params():
+            release(p, self)
+        self._taken_over = True
+
+    def _check_not_taken_over(self) -> None:
+        if self._taken_over:
+            raise RuntimeError("this socompile.AdamW can no longer be used: its parameters were taken over by a "
+                               "newer socompile.AdamW built over the same parameters (e.g. a re-run notebook cell, "
+                               "or an optimizer re-created after loading a checkpoint). Use the new optimizer.")
 
     # ----------------------------------------------------------------- layout
     def _all_params(self) -> list[nn.Parameter]:
@@ -217,6 +243,7 @@ class AdamW(torch.optim.Optimizer):
         ``weight_modes[i]`` ("stationary" or "flow"): with a separate host master they place the bucket's state
         on the device, or free its device weights between uses. A recompile of the same graph (same
         parameters) gets its existing claim back."""
+        self._check_not_taken_over()
         self._wait_pending()
         key = frozenset(id(p) for params in param_lists for p in params)
         if key in self._claims:
@@ -243,6 +270,7 @@ class AdamW(torch.optim.Optimizer):
     def _on_grads(self, bucket: FlatBucket, segments: list[int], grads: list[torch.Tensor],
                   may_speculate: bool = True) -> None:
         """Called from inside the compiled backward when all of ``bucket``'s gradients exist."""
+        self._check_not_taken_over()
         if bucket.arrivals >= self.grad_accumulation_steps:
             raise RuntimeError(f"backward ran {bucket.arrivals + 1} times before opt.step(), but the socompile "
                                f"optimizer expects {self.grad_accumulation_steps}. Call opt.step() after each "
@@ -321,6 +349,7 @@ class AdamW(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):
+        self._check_not_taken_over()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -470,6 +499,7 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._check_not_taken_over()
         self._wait_pending()
         for bucket in self.buckets:
             for p in bucket.params:
@@ -498,6 +528,7 @@ class AdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict) -> None:
         """Load a state dict of socompile.AdamW or of torch.optim.AdamW (same layout). Parameters without a
         state in it start fresh (step 0, zero moments), as in torch."""
+        self._check_not_taken_over()
         optimizer_state.load(self, state_dict)
 
     @contextlib.contextmanager

@@ -23,6 +23,6 @@ def lookup(handle: int):
     obj = _objects.get(handle)
     if obj is None:
         raise RuntimeError(f"socompile runtime object #{handle} no longer exists: the optimizer that this "
-                           "compiled graph was planned for was deleted. Recompile (torch._dynamo.reset()) "
-                           "after creating a new optimizer.")
+                           "compiled graph was planned for was deleted. Create a new socompile.AdamW over the "
+                           "model's parameters: the compiled model then compiles its graphs again for it.")
     return obj

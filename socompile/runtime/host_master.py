@@ -158,18 +158,30 @@ class HostMasterCopies:
         if self.weights is not None and self.flow:
             self.weights.untyped_storage().resize_(0)
 
+    def _holds_no_weights(self) -> bool:
+        return self.weights is not None and self.flow and not self.weights.untyped_storage().nbytes()
+
+    def _fill_weights(self) -> None:
+        self.weights.untyped_storage().resize_(self.numel * self.weights.element_size())
+        self.weights.copy_(self.master)
+
+    def keep_weights(self) -> None:
+        """Fill a flow bucket's device weights from the master for good: the optimizer hands its parameters
+        back to the model (a newer optimizer took them over), so they must hold their values from now on."""
+        if self._holds_no_weights():
+            self._fill_weights()
+
     @contextlib.contextmanager
     def materialized(self, pull: bool = False):
         """A flow bucket's device weights, filled from the master, for as long as the block runs (checkpoints,
         eager evaluation); with ``pull``, values written into the parameters meanwhile go back into the master."""
-        if self.weights is None or not self.flow or self.weights.untyped_storage().nbytes():
+        if not self._holds_no_weights():
             yield
             if pull:
                 self.pull_from_weights()
             return
-        self.weights.untyped_storage().resize_(self.numel * self.weights.element_size())
         try:
-            self.weights.copy_(self.master)
+            self._fill_weights()
             yield
             if pull:
                 self.pull_from_weights()
