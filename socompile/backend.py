@@ -71,11 +71,12 @@ class SuperOffload:
         ctx.param_names = {index: name for index, name, _ in params}
         ctx.param_objects = {index: p for index, _, p in params}
         ctx.optimizer = _owning_optimizer([p for _, _, p in params], [n for _, n, _ in params])
+        ctx.origin = _origin(gm)
         self.compiled.append(ctx)
         compiled = _compile(gm, example_inputs, ctx)
         if not torch.is_grad_enabled() and ctx.optimizer is not None:
             return _with_committed_weights(compiled, ctx.optimizer)
-        return compiled
+        return _activating(compiled, ctx)
 
     def _check_dynamo_graph(self, gm: fx.GraphModule) -> None:
         """Graph breaks inside the compiled region and recompile storms: say where, and what to do."""
@@ -107,6 +108,29 @@ def _with_committed_weights(compiled, optimizer):
             return compiled(*args)
         with opt.materialized_weights():
             return compiled(*args)
+    run._boxed_call = getattr(compiled, "_boxed_call", False)   # Dynamo passes a list to boxed functions
+    return run
+
+
+def _origin(gm: fx.GraphModule):
+    """The graph's Dynamo frame, and whether it is a piece of a region split by a graph break."""
+    from .optim.graph_claim import GraphOrigin
+    piece = errors.graph_break_of(gm) is not None or errors.is_resumed_piece(gm)
+    return GraphOrigin(frame=errors.compile_count(gm)[0], piece=piece)
+
+
+def _activating(compiled, ctx: CompileContext):
+    """Before each run of a training graph, its optimizer claim is made active: another compiled graph of the
+    same parameters (a recompile, a branch switched by a model attribute) may have taken them over since
+    (optim/graph_claim.py). A flag check when nothing changed."""
+    if ctx.claim_handle < 0:
+        return compiled
+    from .runtime import handles
+    claim = handles.lookup(ctx.claim_handle)
+
+    def run(*args):
+        claim.activate()
+        return compiled(*args)
     run._boxed_call = getattr(compiled, "_boxed_call", False)   # Dynamo passes a list to boxed functions
     return run
 
@@ -236,7 +260,8 @@ def _apply_plan(ctx: CompileContext, fw: fx.GraphModule, bw: fx.GraphModule) -> 
                                         rollback=["inverse" if b.rollback == "inverse" else "pingpong"
                                                   for b in ctx.plan.buckets],
                                         sites=[b.optimizer_site for b in ctx.plan.buckets],
-                                        weight_modes=[b.weight_mode for b in ctx.plan.buckets])
+                                        weight_modes=[b.weight_mode for b in ctx.plan.buckets],
+                                        origin=ctx.origin)
             ctx.claim_handle = claim.handle
             _bind_runtime(ctx, claim)
             with timed("passes"):

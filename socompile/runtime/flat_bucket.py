@@ -193,6 +193,7 @@ class FlatBucket(HostMasterCopies):
                 self.grad[seg].copy_(bucket.grad[src])
                 self._adopt_state(i, bucket, j)
                 self.steps[i], self.has_grad[i] = bucket.steps[j], bucket.has_grad[j]
+                self.arrivals = max(self.arrivals, bucket.arrivals)   # mid-accumulation: count on
             else:
                 self.master[seg].copy_(p.detach().reshape(-1))
             if not self.mirror:
