@@ -36,7 +36,7 @@ from ..runtime.host_master import upload_order
 from ..runtime.speculation import Speculator, clip_coefficient
 from ..runtime.worker import CPUWorker
 from . import state_dict as optimizer_state
-from .graph_claim import BOTH_SIDES, ClaimLayout, GraphClaim, GraphOrigin
+from .graph_claim import ClaimLayout, Claims, GraphClaim, GraphOrigin
 from .module_state import ModelStateHooks, _ModuleHook  # noqa: F401  (_ModuleHook: pickled models name it here)
 from .owner import set_owner
 from .state_dict import torch_param_group  # noqa: F401  (imported from here by socompile.distributed)
@@ -96,7 +96,7 @@ class AdamW(torch.optim.Optimizer):
         self.last_grad_norm: float | None = None
         self.last_step_skipped = False
         self._worker: CPUWorker | None = None
-        self._claims: dict[frozenset[int], GraphClaim] = {}
+        self._claims = Claims()
         self._slot: dict[int, tuple[FlatBucket, int]] = {}
         self._group_index: dict[int, int] = {}
         for gi, group in enumerate(self.param_groups):
@@ -122,7 +122,7 @@ class AdamW(torch.optim.Optimizer):
         return self._claimed_buckets() + self._pool
 
     def _claimed_buckets(self) -> list[FlatBucket]:
-        return [b for claim in self._claims.values() if claim.active for b in claim.buckets]
+        return [b for claim in self._claims.active() for b in claim.buckets]
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's, plus ownership: a compiled graph finds its optimizer through its parameters."""
@@ -200,19 +200,10 @@ class AdamW(torch.optim.Optimizer):
         parameters it shares with older claims over (see graph_claim.py), unless both are pieces of one
         graph-broken region, whose backward passes would both produce the shared gradients."""
         self._wait_pending()
-        n = len(param_lists)
-        layout = ClaimLayout(tuple(tuple(ps) for ps in param_lists),
-                             tuple(early_step) if early_step is not None else (True,) * n,
-                             tuple(rollback) if rollback else None, tuple(sites) if sites else None,
-                             tuple(m == "flow" for m in weight_modes) if weight_modes else None)
-        claim = self._claims.get(layout.key)
-        if claim is None:
-            origin = origin or GraphOrigin()
-            if any(layout.key & key and origin.sibling_of(other.origin) for key, other in self._claims.items()):
-                raise RuntimeError(BOTH_SIDES)
-            if any(i not in self._group_index for i in layout.key):
-                raise ValueError("the compiled graph's parameter is not in this optimizer")
-            claim = self._claims[layout.key] = GraphClaim(self, layout, origin)
+        layout = ClaimLayout.of(param_lists, early_step, rollback, sites, weight_modes)
+        if any(i not in self._group_index for i in layout.key):
+            raise ValueError("the compiled graph's parameter is not in this optimizer")
+        claim = self._claims.get_or_add(self, layout, origin or GraphOrigin())
         self._activate(claim)
         return claim
 
@@ -222,20 +213,9 @@ class AdamW(torch.optim.Optimizer):
         if claim.active:
             return
         self._wait_pending()
-        taken = [c for key, c in self._claims.items() if c.active and key & claim.layout.key]
-        for other in taken:
-            if any(b.stepped or b.speculated for b in other.buckets):
-                raise RuntimeError("socompile: a compiled graph ran its forward between backward and opt.step() "
-                                   "while another graph of the same parameters has steps in flight (a recompile, "
-                                   "or a branch switched by a model attribute). Call opt.step() or "
-                                   "opt.zero_grad() first, or run such forwards under torch.no_grad().")
-            other.active = False
-        layout = claim.layout
-        claim.buckets[:] = self._make_buckets([list(ps) for ps in layout.param_lists],
-                                              indices=list(range(len(layout.param_lists))),
-                                              sites=list(layout.sites) if layout.sites else None,
-                                              flow=list(layout.flow) if layout.flow else None)
-        for bucket, mode in zip(claim.buckets, layout.rollback or ()):
+        self._claims.take_over(claim)
+        claim.buckets[:] = self._make_buckets(**claim.layout.bucket_args())
+        for bucket, mode in zip(claim.buckets, claim.layout.rollback or ()):
             bucket.rollback_mode = mode
         claim.active = True
         self._rebuild_pool()

@@ -47,9 +47,21 @@ class ClaimLayout:
     sites: tuple[str, ...] | None
     flow: tuple[bool, ...] | None
 
+    @classmethod
+    def of(cls, param_lists, early_step=None, rollback=None, sites=None, weight_modes=None) -> "ClaimLayout":
+        return cls(tuple(tuple(ps) for ps in param_lists),
+                   tuple(early_step) if early_step is not None else (True,) * len(param_lists),
+                   tuple(rollback) if rollback else None, tuple(sites) if sites else None,
+                   tuple(m == "flow" for m in weight_modes) if weight_modes else None)
+
     @property
     def key(self) -> frozenset[int]:
         return frozenset(id(p) for params in self.param_lists for p in params)
+
+    def bucket_args(self) -> dict:
+        """``AdamW._make_buckets``' arguments for this layout."""
+        return dict(param_lists=[list(ps) for ps in self.param_lists], indices=list(range(len(self.param_lists))),
+                    sites=list(self.sites) if self.sites else None, flow=list(self.flow) if self.flow else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,3 +113,33 @@ class GraphClaim:
             opt = self._optimizer()
             if opt is not None:
                 opt.events.record("fw_wait_upload", flat.index)
+
+
+class Claims:
+    """Every claim of one optimizer, by parameter set, active or stale."""
+
+    def __init__(self):
+        self._by_key: dict[frozenset[int], GraphClaim] = {}
+
+    def active(self) -> list[GraphClaim]:
+        return [c for c in self._by_key.values() if c.active]
+
+    def get_or_add(self, optimizer: "AdamW", layout: ClaimLayout, origin: GraphOrigin) -> GraphClaim:
+        """The claim of these parameters (a recompile of the same graph gets it back), or a new one."""
+        claim = self._by_key.get(layout.key)
+        if claim is None:
+            if any(layout.key & key and origin.sibling_of(c.origin) for key, c in self._by_key.items()):
+                raise RuntimeError(BOTH_SIDES)
+            claim = self._by_key[layout.key] = GraphClaim(optimizer, layout, origin)
+        return claim
+
+    def take_over(self, claim: GraphClaim) -> None:
+        """Make the active claims that share parameters with ``claim`` stale (its buckets will hold them)."""
+        taken = [c for key, c in self._by_key.items() if c.active and key & claim.layout.key]
+        for other in taken:
+            if any(b.stepped or b.speculated for b in other.buckets):
+                raise RuntimeError("socompile: a compiled graph ran its forward between backward and opt.step() "
+                                   "while another graph of the same parameters has steps in flight (a recompile, "
+                                   "or a branch switched by a model attribute). Call opt.step() or "
+                                   "opt.zero_grad() first, or run such forwards under torch.no_grad().")
+            other.active = False
