@@ -155,6 +155,26 @@ def test_branch_switched_by_a_model_attribute_alternates_two_graphs_like_eager_a
     assert_same_params(ours, ref, atol=1e-6 if compute == "eager" else 1e-5)
 
 
+def test_switching_graphs_between_backward_and_step_is_an_error():
+    ours, ref, opt, ref_opt = _pair(Switched)
+    cmodel = torch.compile(ours, backend=_backend())
+    data = batches(4)
+    for step in range(2):   # both graphs compiled and trained once
+        ours.extra = ref.extra = step == 1
+        _train_step(cmodel, opt, *data[step])
+        _train_step(ref, ref_opt, *data[step])
+    ours.extra = False
+    lm_loss(cmodel(data[2][0]), data[2][1]).backward()   # steps taken during backward, not yet committed
+    ours.extra = True
+    with pytest.raises(RuntimeError, match="between backward and opt.step().*opt.zero_grad\\(\\) first"):
+        cmodel(data[2][0])
+    opt.zero_grad()   # the fix the message names: the half-taken step is discarded, the other graph runs
+    ref.extra = True
+    _train_step(cmodel, opt, *data[3])
+    _train_step(ref, ref_opt, *data[3])
+    assert_same_params(ours, ref)
+
+
 def test_parameter_used_by_two_compiled_modules_in_one_backward_is_an_error():
     shared = nn.Linear(8, 8)
     first, second = nn.Sequential(shared, nn.Linear(8, 1)), nn.Sequential(shared, nn.Tanh(), nn.Linear(8, 1))
