@@ -5,7 +5,9 @@ while steps are speculated, so it is an optimizer argument rather than a separat
 
 Compiled with ``backend="superoffload"``, the backward graph hands each bucket's gradients to this optimizer
 as soon as they exist, and the CPU worker steps the bucket at once while backward goes on:
-- no validation (no ``max_grad_norm``, no ``skip_nonfinite``): the step is final, taken in place;
+- no validation (no ``max_grad_norm``, no ``skip_nonfinite``): the step is final, made current at once (into
+  the ping-pong spare, swapped in; in place with ``rollback="inverse"``), the previous state kept so that a
+  ``zero_grad()`` without ``step()`` can still discard it;
 - with validation: speculatively, into the bucket's ping-pong spare (or in place, undone by the algebraic
   inverse, with ``rollback="inverse"``). ``step()`` then validates: commit; or roll back and skip
   (non-finite gradients); or roll back and redo with the clip coefficient. See runtime/speculation.py.
