@@ -121,6 +121,38 @@ def test_freezing_a_layer_mid_training_recompiles_and_trains_like_eager_adamw():
         torch.testing.assert_close(p.detach(), before, atol=0, rtol=0)
 
 
+class Split(nn.Module):
+    """A graph break between ``a`` and ``b``, ``c`` (no parameter on both sides)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return self.c(self.b(h))
+
+
+def test_freezing_and_unfreezing_around_a_graph_break_recompiles_each_piece_like_eager_adamw():
+    ours, ref, opt, ref_opt = _pair(Split)
+    cmodel = torch.compile(ours, backend=_backend(on_graph_break="ignore"))
+    torch.manual_seed(1)
+    for step in range(6):
+        x = torch.randn(4, 8)
+        for model in (ours, ref):
+            if step == 2:   # both pieces compile again, each taking its parameters over
+                model.a.requires_grad_(False)
+                model.b.requires_grad_(False)
+            if step == 4:
+                model.a.requires_grad_(True)
+        for model, o in ((cmodel, opt), (ref, ref_opt)):
+            model(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+    assert_same_params(ours, ref)
+
+
 def test_progressive_unfreezing_with_add_param_group_trains_like_eager_adamw():
     def later_group(model):
         _freeze(model, False)
