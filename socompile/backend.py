@@ -125,11 +125,15 @@ def _activating(compiled, ctx: CompileContext):
     (optim/graph_claim.py). A flag check when nothing changed."""
     if ctx.claim_handle < 0:
         return compiled
+    import weakref
+
     from .runtime import handles
-    claim = handles.lookup(ctx.claim_handle)
+    claim = weakref.ref(handles.lookup(ctx.claim_handle))   # the optimizer owns its claims (and their buckets)
 
     def run(*args):
-        claim.activate()
+        live = claim()
+        if live is not None:   # else the optimizer is gone; the backward says so
+            live.activate()
         return compiled(*args)
     run._boxed_call = getattr(compiled, "_boxed_call", False)   # Dynamo passes a list to boxed functions
     return run

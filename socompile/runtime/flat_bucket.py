@@ -282,8 +282,8 @@ class FlatBucket(HostMasterCopies):
     def swap_in_spare(self) -> None:
         """Commit a ping-pong step: the spare becomes current and the current state the spare (so swapping
         again undoes the step). Segments the step did not write (no gradient) are copied across first, so
-        the new current copy is complete. Sharded: the moments swap, the window of
-        the weights is copied from the spare into ``master`` (which the model aliases, and the all-gather fills)."""
+        the new current copy is complete. Sharded: the moments swap, the window of the weights is exchanged
+        with the spare's (``master`` stays the buffer the model aliases, and the all-gather fills)."""
         if self.sharded:
             spare_master, spare_m, spare_v = self.spare
             window = self.master[self.window[0]:self.window[1]]
