@@ -83,11 +83,12 @@ class SuperOffload:
         ctx.param_names = dict(names)
         ctx.param_objects = dict(params)
         ctx.optimizer = _owning_optimizer(list(params.values()), list(names.values()))
+        ctx.origin = _origin(gm)
         self.compiled.append(ctx)
         compiled = _compile(gm, example_inputs, ctx)
         if not torch.is_grad_enabled() and ctx.optimizer is not None:
             return _with_committed_weights(compiled, ctx.optimizer)
-        return compiled
+        return _activating(compiled, ctx)
 
     def _check_dynamo_graph(self, gm: fx.GraphModule) -> None:
         """Graph breaks inside the compiled region and recompile storms: say where, and what to do."""
@@ -146,6 +147,33 @@ def _with_committed_weights(compiled, optimizer):
             return compiled(*args)
         with opt.materialized_weights():
             return compiled(*args)
+    run._boxed_call = getattr(compiled, "_boxed_call", False)   # Dynamo passes a list to boxed functions
+    return run
+
+
+def _origin(gm: fx.GraphModule):
+    """The graph's Dynamo frame, and whether it is a piece of a region split by a graph break."""
+    from .optim.graph_claim import GraphOrigin
+    piece = errors.graph_break_of(gm) is not None or errors.is_resumed_piece(gm)
+    return GraphOrigin(frame=errors.compile_count(gm)[0], piece=piece)
+
+
+def _activating(compiled, ctx: CompileContext):
+    """Before each run of a training graph, its optimizer claim is made active: another compiled graph of the
+    same parameters (a recompile, a branch switched by a model attribute) may have taken them over since
+    (optim/graph_claim.py). A flag check when nothing changed."""
+    if ctx.claim_handle < 0:
+        return compiled
+    import weakref
+
+    from .runtime import handles
+    claim = weakref.ref(handles.lookup(ctx.claim_handle))   # the optimizer owns its claims (and their buckets)
+
+    def run(*args):
+        live = claim()
+        if live is not None:   # else the optimizer is gone; the backward says so
+            live.activate()
+        return compiled(*args)
     run._boxed_call = getattr(compiled, "_boxed_call", False)   # Dynamo passes a list to boxed functions
     return run
 
@@ -275,7 +303,8 @@ def _apply_plan(ctx: CompileContext, fw: fx.GraphModule, bw: fx.GraphModule) -> 
                                         rollback=["inverse" if b.rollback == "inverse" else "pingpong"
                                                   for b in ctx.plan.buckets],
                                         sites=[b.optimizer_site for b in ctx.plan.buckets],
-                                        weight_modes=[b.weight_mode for b in ctx.plan.buckets])
+                                        weight_modes=[b.weight_mode for b in ctx.plan.buckets],
+                                        origin=ctx.origin)
             ctx.claim_handle = claim.handle
             for bucket in claim.buckets:   # option optimizer_threads: the CPU kernel's threads for these buckets
                 bucket.kernel_threads = ctx.options.optimizer_threads

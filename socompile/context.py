@@ -25,6 +25,7 @@ class CompileContext:
     plan: Any = None
     optimizer: Any = None
     claim_handle: int = -1
+    origin: Any = None          # optim.graph_claim.GraphOrigin: the graph's Dynamo frame, piece of a split or not
     forward_graph: Any = None
     backward_graph: Any = None
     dumps: list[GraphDump] = dataclasses.field(default_factory=list)

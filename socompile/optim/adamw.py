@@ -5,7 +5,9 @@ while steps are speculated, so it is an optimizer argument rather than a separat
 
 Compiled with ``backend="superoffload"``, the backward graph hands each bucket's gradients to this optimizer
 as soon as they exist, and the CPU worker steps the bucket at once while backward goes on:
-- no validation (no ``max_grad_norm``, no ``skip_nonfinite``): the step is final, taken in place;
+- no validation (no ``max_grad_norm``, no ``skip_nonfinite``): the step is final, made current at once (into
+  the ping-pong spare, swapped in; in place with ``rollback="inverse"``), the previous state kept so that a
+  ``zero_grad()`` without ``step()`` can still discard it;
 - with validation: speculatively, into the bucket's ping-pong spare (or in place, undone by the algebraic
   inverse, with ``rollback="inverse"``). ``step()`` then validates: commit; or roll back and skip
   (non-finite gradients); or roll back and redo with the clip coefficient. See runtime/speculation.py.
@@ -36,7 +38,7 @@ from ..runtime.host_master import upload_order
 from ..runtime.speculation import Speculator, clip_coefficient
 from ..runtime.worker import CPUWorker
 from . import state_dict as optimizer_state
-from .graph_claim import GraphClaim
+from .graph_claim import ClaimLayout, Claims, GraphClaim, GraphOrigin
 from .hyper import check_group
 from .module_state import ModelStateHooks, _ModuleHook  # noqa: F401  (_ModuleHook: pickled models name it here)
 from .owner import previous_owners, release, set_owner
@@ -104,7 +106,7 @@ class AdamW(torch.optim.Optimizer):
         self.last_grad_norm: float | None = None
         self.last_step_skipped = False
         self._worker: CPUWorker | None = None
-        self._claims: dict[frozenset[int], GraphClaim] = {}
+        self._claims = Claims()
         self._slot: dict[int, tuple[FlatBucket, int]] = {}
         self._group_index: dict[int, int] = {}
         self._taken_over = False
@@ -144,12 +146,6 @@ class AdamW(torch.optim.Optimizer):
                     rollback=self.rollback, predict_clipping=self._speculator.predict, cpu_worker=self.cpu_worker,
                     host_master=self.host_master)
 
-    def add_param_group(self, param_group: dict) -> None:
-        """torch's ``add_param_group``, after the group's own lr / betas / eps / weight_decay pass the same
-        checks as the constructor's (torch checks the defaults only: a NaN group lr trained NaN weights)."""
-        if isinstance(param_group, dict):
-            check_group(param_group, where=f"param group {len(self.param_groups)}: ")
-        super().add_param_group(param_group)
     # -------------------------------------------------------------- takeover
     def _hand_over(self) -> None:
         """A newer socompile.AdamW was built over (some of) this optimizer's parameters and takes them over.
@@ -178,15 +174,33 @@ class AdamW(torch.optim.Optimizer):
 
     @property
     def buckets(self) -> list[FlatBucket]:
-        claimed = [b for claim in self._claims.values() for b in claim.buckets]
-        return claimed + self._pool
+        return self._claimed_buckets() + self._pool
+
+    def _claimed_buckets(self) -> list[FlatBucket]:
+        return [b for claim in self._claims.active() for b in claim.buckets]
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, plus ownership (a compiled graph finds its optimizer through its parameters), after the
+        group's own lr / betas / eps / weight_decay pass the constructor's checks (torch checks the defaults
+        only: a NaN group lr trained NaN weights)."""
+        if isinstance(param_group, dict):
+            check_group(param_group, where=f"param group {len(self.param_groups)}: ")
+        super().add_param_group(param_group)
+        if not hasattr(self, "_slot"):   # called by Optimizer.__init__: our __init__ registers the groups
+            return
+        gi = len(self.param_groups) - 1
+        for p in self.param_groups[gi]["params"]:
+            set_owner(p, self)
+            self._group_index[id(p)] = gi
+        self._rebuild_pool()
 
     def _rebuild_pool(self) -> None:
-        """Bucket every trainable parameter no compiled graph has claimed, in reverse registration order
-        (the usual order of gradients in backward)."""
-        claimed = {id(p) for claim in self._claims.values() for b in claim.buckets for p in b.params}
-        free = [p for p in reversed(self._all_params())
-                if id(p) not in claimed and (p.requires_grad or p.grad is not None)]
+        """Bucket every parameter no active claim holds, in reverse registration order (the usual order of
+        gradients in backward): trainable ones, and frozen ones that were bucketed before (their state is
+        kept, and their weights stay in place when the claim that held them goes stale)."""
+        claimed = {id(p) for b in self._claimed_buckets() for p in b.params}
+        free = [p for p in reversed(self._all_params()) if id(p) not in claimed
+                and (p.requires_grad or p.grad is not None or id(p) in self._slot)]
         by_id = {id(p): p for p in free}
         groups = [names for kind in _by_storage(free)
                   for names in bucketize([(str(id(p)), p.numel()) for p in kind], self.bucket_size)]
@@ -234,37 +248,38 @@ class AdamW(torch.optim.Optimizer):
 
     def claim(self, param_lists: list[list[nn.Parameter]], early_step: list[bool] | None = None,
               rollback: list[str] | None = None, sites: list[str] | None = None,
-              weight_modes: list[str] | None = None) -> GraphClaim:
+              weight_modes: list[str] | None = None, origin: GraphOrigin | None = None) -> GraphClaim:
         """Lay out the buckets a compiled backward graph feeds (called by the backend at compile time).
         ``early_step[i]``: bucket i may be stepped by the CPU worker as its gradients arrive; otherwise (a
         device-resident bucket, or speculation turned off) it is stepped in ``step()`` after validation.
         ``rollback[i]``: the plan's rollback mode of bucket i ("pingpong" or "inverse"); default: the
         optimizer's ``rollback`` argument. ``sites[i]``: the plan's optimizer site ("cpu" or "device") and
         ``weight_modes[i]`` ("stationary" or "flow"): with a separate host master they place the bucket's state
-        on the device, or free its device weights between uses. A recompile of the same graph (same
-        parameters) gets its existing claim back."""
+        on the device, or free its device weights between uses. ``origin``: the graph's Dynamo frame.
+        A recompile of the same graph (same parameters) gets its existing claim back; a new graph takes the
+        parameters it shares with older claims over (see graph_claim.py), unless both are pieces of one
+        graph-broken region, whose backward passes would both produce the shared gradients."""
         self._check_not_taken_over()
         self._wait_pending()
-        key = frozenset(id(p) for params in param_lists for p in params)
-        if key in self._claims:
-            return self._claims[key]
-        for other in self._claims:
-            if key & other:
-                raise RuntimeError(
-                    "a parameter is used by two different compiled graphs (a graph break inside the model?). "
-                    "socompile steps each parameter from one backward graph: compile with fullgraph=True to "
-                    "find the break, or move the shared parameter's use into one graph.")
-        for p in (p for params in param_lists for p in params):
-            if id(p) not in self._group_index:
-                raise ValueError("the compiled graph's parameter is not in this optimizer")
-        claim = GraphClaim(self, self._make_buckets(param_lists, indices=list(range(len(param_lists))), sites=sites,
-                                                    flow=[m == "flow" for m in weight_modes] if weight_modes else None),
-                           early_step=list(early_step) if early_step is not None else [True] * len(param_lists))
-        for bucket, mode in zip(claim.buckets, rollback or ()):
-            bucket.rollback_mode = mode
-        self._claims[key] = claim
-        self._rebuild_pool()
+        layout = ClaimLayout.of(param_lists, early_step, rollback, sites, weight_modes)
+        if any(i not in self._group_index for i in layout.key):
+            raise ValueError("the compiled graph's parameter is not in this optimizer")
+        claim = self._claims.get_or_add(self, layout, origin or GraphOrigin())
+        self._activate(claim)
         return claim
+
+    def _activate(self, claim: GraphClaim) -> None:
+        """Lay out ``claim``'s buckets, adopting its parameters' state from wherever it is; the active claims
+        that held some of them go stale, their other parameters go to the pool."""
+        if claim.active:
+            return
+        self._wait_pending()
+        self._claims.take_over(claim)
+        claim.buckets[:] = self._make_buckets(**claim.layout.bucket_args())
+        for bucket, mode in zip(claim.buckets, claim.layout.rollback or ()):
+            bucket.rollback_mode = mode
+        claim.active = True
+        self._rebuild_pool()
 
     # ------------------------------------------------------------- backward
     def _on_grads(self, bucket: FlatBucket, segments: list[int], grads: list[torch.Tensor],
@@ -306,9 +321,18 @@ class AdamW(torch.optim.Optimizer):
         if self._sharding is not None:
             self._sharding.finish_reduce(bucket)   # this rank's shard of the averaged gradients
         if not self._validating():
-            # Nothing to validate: the step taken now is final (in place, as torch would take it).
+            # Nothing to validate: the step taken now is final unless zero_grad() discards it (a step the user
+            # skipped), so the previous state is kept where the plan budgets for it: ping-pong steps into the
+            # spare and swaps it in at once (the spare keeps the old state); the inverse never steps over a
+            # non-finite gradient (it could not undo it), step() takes that one.
+            if bucket.rollback_mode != "pingpong" and grad_stats(bucket)[1]:
+                return
             self.events.record("step_start", bucket.index)
-            step_bucket(bucket, self.param_groups, final=True)
+            if bucket.rollback_mode == "pingpong":
+                step_bucket(bucket, self.param_groups, into_spare=True)
+                bucket.swap_in_spare()
+            else:
+                step_bucket(bucket, self.param_groups, final=True)
             bucket.stepped = True
             if self._sharding is None:   # ZeRO: only this rank's window is new; step() uploads after the gather
                 bucket.upload()   # separate host master: the new weights go to the device while backward goes on
@@ -499,9 +523,13 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's: the gradients are discarded. Without a step() since the last backward, so is everything
+        that backward started: speculative steps are rolled back and steps taken final during backward are
+        undone (a step the user skipped: a NaN loss, an LR finder), and the next backward starts afresh."""
         self._check_not_taken_over()
         self._wait_pending()
         for bucket in self.buckets:
+            self._discard_iteration(bucket)
             for p in bucket.params:
                 if p.grad is None:
                     continue
@@ -513,6 +541,20 @@ class AdamW(torch.optim.Optimizer):
         for p in self._all_params():
             if id(p) not in self._slot and p.grad is not None:
                 p.grad = None if set_to_none else p.grad.zero_()
+        self._speculator.begin_step()
+        self._upload(self.buckets)   # separate host master: weights uploaded during backward are undone too
+
+    def _discard_iteration(self, bucket: FlatBucket) -> None:
+        bucket.wait_grads()
+        if bucket.speculated:
+            self._roll_back(bucket)
+        elif bucket.stepped:   # taken final during backward (no validation), kept undoable there
+            if bucket.rollback_mode == "pingpong":
+                bucket.swap_in_spare()   # the spare holds the state before the step, whole
+            else:
+                rollback_inplace(bucket, self.param_groups, grad_scale=1.0)
+            self.events.record("rollback", bucket.index)
+        bucket.reset_iteration()
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self):

@@ -218,6 +218,7 @@ class FlatBucket(HostMasterCopies):
                 self.grad[seg].copy_(bucket.grad[src])
                 self._adopt_state(i, bucket, j)
                 self.steps[i], self.has_grad[i] = bucket.steps[j], bucket.has_grad[j]
+                self.arrivals = max(self.arrivals, bucket.arrivals)   # mid-accumulation: count on
             else:
                 self.master[seg].copy_(flat_real(p.detach()))
             if not self.mirror:
@@ -304,9 +305,10 @@ class FlatBucket(HostMasterCopies):
         return self.spare
 
     def swap_in_spare(self) -> None:
-        """Commit a ping-pong step: the spare becomes current. Segments the step did not write (no gradient)
-        are copied across first, so the new current copy is complete. Sharded: the moments swap, the window of
-        the weights is copied from the spare into ``master`` (which the model aliases, and the all-gather fills)."""
+        """Commit a ping-pong step: the spare becomes current and the current state the spare (so swapping
+        again undoes the step). Segments the step did not write (no gradient) are copied across first, so
+        the new current copy is complete. Sharded: the moments swap, the window of the weights is exchanged
+        with the spare's (``master`` stays the buffer the model aliases, and the all-gather fills)."""
         if self.sharded:
             spare_master, spare_m, spare_v = self.spare
             window = self.master[self.window[0]:self.window[1]]
@@ -314,7 +316,9 @@ class FlatBucket(HostMasterCopies):
                 if not present and self.held(i) is not None:
                     for mine, spare in ((window, spare_master), (self.exp_avg, spare_m), (self.exp_avg_sq, spare_v)):
                         self.state_part(spare, i).copy_(self.state_part(mine, i))
+            previous = window.clone()   # kept in the spare: zero_grad() may swap back (AdamW._discard_iteration)
             window.copy_(spare_master)
+            spare_master.copy_(previous)
             self.spare = (spare_master, self.exp_avg, self.exp_avg_sq)
             self.exp_avg, self.exp_avg_sq = spare_m, spare_v
             self.dirty, self._low_synced = True, False   # separate master: the window changed (gather: the rest)
