@@ -204,6 +204,27 @@ def test_newer_optimizer_over_the_same_parameters_trains_like_torch():
         first.step()
 
 
+def test_a_param_group_added_from_another_optimizer_takes_its_parameters_over():
+    # add_param_group is the other way a parameter reaches a newer optimizer: the older one must hand it over
+    # (retired, as when a whole optimizer is built again), else both would step it.
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    first = socompile.AdamW(model.fc2.parameters(), **OPT)
+    second = socompile.AdamW(model.fc1.parameters(), **OPT)
+    second.add_param_group({"params": list(model.fc2.parameters())})
+    ref_opt = torch.optim.AdamW(ref.fc1.parameters(), **OPT)
+    ref_opt.add_param_group({"params": list(ref.fc2.parameters())})
+    for x in _mlp_data(2):
+        for m, opt in ((model, second), (ref, ref_opt)):
+            _mlp_loss(m(x)).backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_params(model, ref)
+    with pytest.raises(RuntimeError, match="taken over by a newer socompile.AdamW"):
+        first.step()
+
+
 def test_optimizer_deleted_then_built_again_gets_the_gradients():
     # The string backend keeps no compile contexts, so deleting the optimizer frees it and its buckets.
     torch.manual_seed(0)

@@ -110,14 +110,7 @@ class AdamW(torch.optim.Optimizer):
         self._slot: dict[int, tuple[FlatBucket, int]] = {}
         self._group_index: dict[int, int] = {}
         self._taken_over = False
-        # The newest optimizer over a parameter owns it (optim/owner.py): earlier ones hand theirs back first,
-        # so the buckets below read each parameter's current weights.
-        for previous in previous_owners(self._all_params(), self):
-            previous._hand_over()
-        for gi, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                set_owner(p, self)
-                self._group_index[id(p)] = gi
+        self._own(range(len(self.param_groups)))
         self._pool: list[FlatBucket] = []
         # ZeRO-style data parallelism (socompile.distributed.zero.shard_optimizer sets it): reduce-scatters each
         # bucket's gradients, makes every rank step only its shard, agrees on validation, all-gathers weights.
@@ -188,11 +181,20 @@ class AdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
         if not hasattr(self, "_slot"):   # called by Optimizer.__init__: our __init__ registers the groups
             return
-        gi = len(self.param_groups) - 1
-        for p in self.param_groups[gi]["params"]:
-            set_owner(p, self)
-            self._group_index[id(p)] = gi
+        self._own([len(self.param_groups) - 1])
         self._rebuild_pool()
+
+    def _own(self, group_indices) -> None:
+        """Become the owner of these param groups' parameters (a compiled graph finds its optimizer through
+        them). The newest optimizer over a parameter owns it (optim/owner.py): earlier owners hand theirs back
+        first, so the buckets laid out next read each parameter's current weights."""
+        params = [p for gi in group_indices for p in self.param_groups[gi]["params"]]
+        for previous in previous_owners(params, self):
+            previous._hand_over()
+        for gi in group_indices:
+            for p in self.param_groups[gi]["params"]:
+                set_owner(p, self)
+                self._group_index[id(p)] = gi
 
     def _rebuild_pool(self) -> None:
         """Bucket every parameter no active claim holds, in reverse registration order (the usual order of
