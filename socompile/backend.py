@@ -164,8 +164,6 @@ def _activating(compiled, ctx: CompileContext):
     (optim/graph_claim.py). A flag check when nothing changed."""
     if ctx.claim_handle < 0:
         return compiled
-    import weakref
-
     from .runtime import handles
     claim = weakref.ref(handles.lookup(ctx.claim_handle))   # the optimizer owns its claims (and their buckets)
 

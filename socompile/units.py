@@ -10,11 +10,11 @@ _UNITS = ("B", "KB", "MB", "GB", "TB")
 def human_bytes(n: float, round_up: bool = False) -> str:
     """``n`` bytes with one decimal in the largest unit that keeps it >= 1. ``round_up``: never print less
     than ``n`` (for minimums: a budget of the printed size holds what was asked)."""
-    for i, unit in enumerate(_UNITS):
-        scale = 1000 ** i
-        if abs(n) < 1000 * scale or unit == _UNITS[-1]:
-            if unit == "B":
-                return f"{math.ceil(n) if round_up else n:.0f} B"
-            value = -(-math.ceil(n) * 10 // scale) / 10 if round_up else n / scale   # integer ceil: no float slop
-            return f"{value:.1f} {unit}"
-    return f"{n} B"
+    i = 0   # the largest unit that keeps the value >= 1 (TB at most)
+    while i + 1 < len(_UNITS) and abs(n) >= 1000 ** (i + 1):
+        i += 1
+    if i == 0:
+        return f"{math.ceil(n) if round_up else n:.0f} B"
+    scale = 1000 ** i
+    value = -(-math.ceil(n) * 10 // scale) / 10 if round_up else n / scale   # integer ceil: no float slop
+    return f"{value:.1f} {_UNITS[i]}"

@@ -5,6 +5,9 @@ Analysis only: returns the buckets as data; the optimizer-step pass applies them
 from __future__ import annotations
 
 FP32_BYTES = 4
+# Each segment of a flat bucket starts at a multiple of ALIGN elements (runtime/flat_bucket.py lays buckets out
+# so, and the planner counts the padding): 64 bytes of fp32, a cache line and an AVX-512 vector.
+ALIGN = 16
 
 
 def bucketize(ordered: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:

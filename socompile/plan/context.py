@@ -5,6 +5,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
+import sympy
+
 from ..capture.ir import IR
 from ..options import Options
 from .analysis import GraphCosts
@@ -66,3 +68,13 @@ def _compact_buckets(ctx: _Context, buckets) -> set[int]:
             if inside:
                 ok.discard(idx)
     return ok
+
+
+def _formula(expr, names: dict[str, str] | None = None) -> str:
+    """A bytes expression as text with readable symbol names, e.g. '2147483648 + 262144*batch*seq'."""
+    if isinstance(expr, (int, float)):
+        return str(int(expr))
+    expr = sympy.expand(expr)
+    if names:
+        expr = expr.xreplace({s: sympy.Symbol(names.get(str(s), str(s))) for s in expr.free_symbols})
+    return str(expr)

@@ -22,6 +22,7 @@ import dataclasses
 
 import sympy
 
+from .bucketize import ALIGN
 from .plan import BucketPlan
 
 
@@ -99,7 +100,6 @@ def host_memory(buckets: list[BucketPlan], weight_bytes: int, world: int = 1, of
 def flow_buffer_peak(buckets, ir, align: int | None = None, spans_cache: dict | None = None) -> int:
     """Bytes of flow buffers live at once over the exact schedule (plan/flow_schedule.py), as the runtime
     allocates them (padded segments, the link dtype)."""
-    from ..runtime.flat_bucket import ALIGN
     from .flow_schedule import bucket_flow_schedule, flow_peak
     flow = [b for b in buckets if b.weight_mode == "flow"]
     if not flow:
@@ -122,7 +122,6 @@ def runtime_device_bytes(plan, ir, align: int | None = None) -> dict:
     flow buckets, live from prefetch to release (the exact schedule of plan/flow_schedule.py). Activations
     and graph temporaries are not the runtime's. Returns {"peak", "fixed", "flow_peak", "flow_phase_peak",
     "parts"}."""
-    from ..runtime.flat_bucket import ALIGN
     from .flow_schedule import flow_peak, flow_schedule
     align = ALIGN if align is None else align
     weight_bytes = plan.prediction("param_dtype_bytes", 4)

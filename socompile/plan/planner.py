@@ -24,16 +24,16 @@ from __future__ import annotations
 import dataclasses
 import gc
 
-import sympy
-
 from ..capture.ir import IR
 from ..options import Options
 from ..units import human_bytes
 from .activation_policy import _activation_policy
 from .analysis import GraphCosts, analyze, layer_group
 from .bucketize import FP32_BYTES, bucketize
-from .context import HOST_HEADROOM, PlanError, _compact_buckets, _Context, _device, _dtype_name  # noqa: F401
+from .context import (HOST_HEADROOM, PlanError, _compact_buckets, _Context, _device, _dtype_name,  # noqa: F401
+                      _formula)
 from .cost import CostModel
+from .floor import bucket_size_candidates, bucket_size_line, bucket_text, infeasible_message
 from .hardware import HardwareProfile
 from .memory import MemoryEstimate, host_memory, runtime_device_bytes
 from .plan import BucketPlan, Plan
@@ -41,8 +41,6 @@ from .simulate import simulate
 
 MAX_PREFETCH = 8          # buffers beyond this cost memory and no longer hide anything on these profiles
 FULL_SEARCH = 48          # try every K up to this many buckets; beyond, a grid then a local refinement
-DEFAULT_BUCKET_BYTES = 64 * 10**6   # options.bucket_size when not pinned and it fits (the presets' plans)
-SMALLEST_BUCKET_BYTES = 64 * 10**3  # below this, per-bucket overheads dominate and the floor hardly falls
 
 
 def ready_position(ir: IR, params: list[str], position: dict[str, int] | None = None) -> int:
@@ -221,24 +219,12 @@ def _plan_of(ctx: _Context, buckets, recompute, predicted, decisions=(), unoptim
                 decisions=tuple(decisions), activations=tuple(ctx.choices))
 
 
-def _bucket_size_candidates(ctx: _Context, order: list[str]) -> list[int]:
-    """options.bucket_size when pinned; else 64 MB, then halved while the largest bucket can still shrink
-    (not below the largest parameter's fp32 gradient, nor SMALLEST_BUCKET_BYTES)."""
-    if ctx.options.bucket_size is not None:
-        return [ctx.options.bucket_size]
-    largest = max((ctx.ir.params[n].numel * FP32_BYTES for n in order), default=0)
-    sizes = [DEFAULT_BUCKET_BYTES]
-    while sizes[-1] > max(largest, SMALLEST_BUCKET_BYTES):
-        sizes.append(max(sizes[-1] // 2, SMALLEST_BUCKET_BYTES))
-    return sizes
-
-
 def _fitting_buckets(template: _Context, order: list[str], decisions: list[str]):
     """(ctx, base buckets, Plan.recompute) for the first bucket size whose floor (_min_device) fits the budget.
     Each candidate plans its activations afresh (the floor of the rest of the plan depends on the buckets), on
     a copy of ``template`` whose options carry that size. Raises PlanError with the lowest floor found."""
     floors = []
-    sizes = _bucket_size_candidates(template, order)
+    sizes = bucket_size_candidates(template, order)
     for size in sizes:
         ctx = dataclasses.replace(template, options=dataclasses.replace(template.options, bucket_size=size))
         lines: list[str] = []
@@ -247,18 +233,12 @@ def _fitting_buckets(template: _Context, order: list[str], decisions: list[str])
         minimum = _min_device(ctx, base)
         if minimum.device_peak <= ctx.budget:
             if floors:   # the default did not fit (no line otherwise: the presets' plans stay byte-identical)
-                lines.insert(0, _bucket_size_line(ctx, size, *floors[-1][:2]))
+                lines.insert(0, bucket_size_line(ctx, size, *floors[-1][:2]))
             decisions.extend(lines)
             return ctx, base, recompute
         floors.append((minimum.device_peak, size, ctx, minimum, recompute, base))
     _, size, ctx, minimum, recompute, base = min(floors, key=lambda f: (f[0], -f[1]))
-    raise PlanError(_infeasible_message(ctx, minimum, recompute, _bucket_text(ctx, base, chosen=len(sizes) > 1)))
-
-
-def _bucket_size_line(ctx: _Context, size: int, peak: float, too_big: int) -> str:
-    return (f"bucket size: {human_bytes(size)} (chosen: with {human_bytes(too_big)} buckets the least device memory "
-            f"any plan needs is {human_bytes(peak)}, over the budget of {human_bytes(ctx.budget)}: gradients of two "
-            f"buckets in flight and the weight-flow buffers scale with the bucket)")
+    raise PlanError(infeasible_message(ctx, minimum, recompute, bucket_text(ctx, base, chosen=len(sizes) > 1)))
 
 
 def _base_buckets(ir: IR, order: list[str], bucket_size: int, ctx: _Context, decisions: list[str]):
@@ -297,33 +277,6 @@ def _min_device(ctx: _Context, base) -> MemoryEstimate:
     stream (_compact_buckets) streamed at prefetch distance 0 (one flow buffer live at a time: the transfer is
     not hidden). _with_k falls back to exactly this placement, so a budget of this size plans."""
     return _device(ctx, _apply_flow(ctx, base, _compact_buckets(ctx, base), {}, distance=0))
-
-
-def _bucket_text(ctx: _Context, base, chosen: bool) -> str:
-    """The bucket size behind a floor, and whether a smaller one could lower it (a parameter is never split)."""
-    size = human_bytes(ctx.options.bucket_size)
-    if chosen:
-        return f"buckets of {size}, the smallest tried (a parameter is never split: the largest one bounds them)"
-    largest = max(base, key=lambda b: b.numel, default=None)
-    if largest is not None and len(largest.params) > 1:
-        return f"bucket_size={size} (a smaller bucket_size, or none, lowers the gradient staging and flow buffers)"
-    return f"bucket_size={size} (its largest bucket is one parameter: smaller buckets would hardly lower the floor)"
-
-
-def _infeasible_message(ctx: _Context, minimum: MemoryEstimate, recompute: str, buckets: str) -> str:
-    parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in minimum.device_parts if v)
-    need = human_bytes(minimum.device_peak, round_up=True)
-    expr = ctx.activations_expr
-    formula = "" if isinstance(expr, (int, float)) else \
-        f"; activations = {_formula(expr, ctx.ir.symbol_names)} bytes"
-    room = (f"raise device_memory_budget to at least {need}" if ctx.options.device_memory_budget is not None else
-            f"choose a target with at least {human_bytes(minimum.device_peak + ctx.hw.device_reserved, True)} of "
-            f"device memory")
-    return (f"no plan fits in {human_bytes(ctx.budget)} of device memory on {ctx.hw.name}: even with every "
-            f"optimizer bucket on the CPU, every weight that can stream streamed and "
-            f"{'per-layer activation checkpointing' if recompute != 'none' else 'no checkpointing possible'}, "
-            f"with {buckets}, the step needs at least {need} ({parts}){formula}. Reduce the "
-            f"sequence length or batch, or {room}.")
 
 
 def _transfer_order(ctx: _Context, cpu_buckets) -> list[int]:
@@ -536,13 +489,3 @@ def _rollback_modes(ctx: _Context, buckets, decisions: list[str]):
                         f"{human_bytes(ctx.hw.host_memory)} (usable {human_bytes(limit)}); keep more buckets on the GPU "
                         f"or use a machine with more host memory")
     return out, total, pinned, parts
-
-
-def _formula(expr, names: dict[str, str] | None = None) -> str:
-    """A bytes expression as text with readable symbol names, e.g. '2147483648 + 262144*batch*seq'."""
-    if isinstance(expr, (int, float)):
-        return str(int(expr))
-    expr = sympy.expand(expr)
-    if names:
-        expr = expr.xreplace({s: sympy.Symbol(names.get(str(s), str(s))) for s in expr.free_symbols})
-    return str(expr)

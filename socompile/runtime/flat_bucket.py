@@ -33,9 +33,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..plan.bucketize import ALIGN   # one layout fact for planner and runtime
 from .host_master import HostMasterCopies, flat_real
-
-ALIGN = 16  # elements: 64 bytes, a cache line and an AVX-512 vector
 
 
 def real_dtype(dtype: torch.dtype) -> torch.dtype:
