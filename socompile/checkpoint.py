@@ -145,8 +145,18 @@ def load(path: str | os.PathLike, model: nn.Module | None = None, optimizer=None
         with _weights_of(optimizer, pull=True):   # values loaded into parameters go into a separate master
             _module(model).load_state_dict(data["model"], strict=strict)
     if optimizer is not None:
-        optimizer.load_state_dict(data["optimizer"])
+        _load_optimizer(optimizer, data["optimizer"])
     return dict(data.get("extra") or {})
+
+
+def _load_optimizer(optimizer, state: dict) -> None:
+    """load_state_dict; socompile.AdamW's would validate the state a second time (a pass over every moment),
+    which ``load`` has just done before touching the model."""
+    from .optim.adamw import AdamW
+    if isinstance(optimizer, AdamW):
+        optimizer.load_state_dict(state, checked=True)
+    else:
+        optimizer.load_state_dict(state)
 
 
 def _read(path) -> Any:

@@ -495,3 +495,18 @@ def test_sharded_checkpoint_without_checksums_loads_with_a_warning(tmp_path, mon
         assert dcp_checkpoint.load(path, fresh, fresh_opt) == {"step": 2}
     assert f"sharded checkpoint {path} was written by an older socompile without checksums" in caplog.text
     assert_same_params(fresh, model, atol=0, rtol=0)
+
+
+def test_load_validates_the_optimizer_state_once(tmp_path, monkeypatch):
+    # The value check is a pass over every moment (~20 s at 25B parameters): socompile.load runs it before it
+    # touches the model, so socompile.AdamW.load_state_dict must not run it again.
+    from socompile.optim import state_dict as optimizer_state
+    path, _, _ = _trained(tmp_path)
+    calls = []
+    check = optimizer_state.check_state_dict
+    monkeypatch.setattr(optimizer_state, "check_state_dict", lambda *a, **k: calls.append(1) or check(*a, **k))
+    fresh, fresh_opt = _fresh()
+    socompile.load(path, fresh, fresh_opt)
+    assert len(calls) == 1
+    fresh_opt.load_state_dict(fresh_opt.state_dict())   # used directly, the optimizer still checks
+    assert len(calls) == 2

@@ -569,11 +569,13 @@ class AdamW(torch.optim.Optimizer):
         (torch.distributed.checkpoint), or ``full_optimizer_state_dict`` to gather this layout on one rank."""
         return optimizer_state.save(self)
 
-    def load_state_dict(self, state_dict) -> None:
+    def load_state_dict(self, state_dict, *, checked: bool = False) -> None:
         """Load a state dict of socompile.AdamW or of torch.optim.AdamW (same layout). Parameters without a
-        state in it start fresh (step 0, zero moments), as in torch."""
+        state in it start fresh (step 0, zero moments), as in torch. The state is validated first (shapes,
+        finite moments, step counts: optim/state_dict.check_state_dict) unless ``checked``: the caller has
+        just done so (socompile.load checks before it loads the model, naming the file)."""
         self._check_not_taken_over()
-        optimizer_state.load(self, state_dict)
+        optimizer_state.load(self, state_dict, checked=checked)
 
     @contextlib.contextmanager
     def materialized_weights(self, pull: bool = False):

@@ -118,10 +118,11 @@ def save(opt: "AdamW") -> dict:
     return out
 
 
-def load(opt: "AdamW", state_dict) -> None:
+def load(opt: "AdamW", state_dict, checked: bool = False) -> None:
     """The body of ``AdamW.load_state_dict`` (see there)."""
     opt._wait_pending()
-    check_state_dict(state_dict, opt.param_groups)   # before anything changes: a refused state loses nothing
+    if not checked:   # before anything changes: a refused state loses nothing
+        check_state_dict(state_dict, opt.param_groups)
     groups = []
     for n, group in enumerate(state_dict["param_groups"]):
         for key in ("amsgrad", "maximize", "capturable", "differentiable"):
