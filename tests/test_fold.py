@@ -145,3 +145,12 @@ def test_expand_order_places_copies_between_slots_2_and_3():
                      (5, None)]
     with pytest.raises(fold.FoldError):
         fold._expand_order([1, 1, 2, None, 2, 3], [3], "test")     # slot 2 split where slot 1 is not
+
+
+def test_an_error_inside_a_folded_block_is_the_error_the_user_sees():
+    # "small" has 6 blocks (folded) and rotary tables for 512 positions: 1024 tokens fail inside block 0. The
+    # fold's block tags used to unwind after torch's node-meta context had reset, raising KeyError('custom')
+    # in place of the shape error.
+    from socompile.offline import plan_model
+    with pytest.raises(RuntimeError, match="broadcast"):
+        plan_model("small", batch=1, seq=1024, run_passes=False)

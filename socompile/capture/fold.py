@@ -105,13 +105,18 @@ def traced_subset(model: nn.Module, blocks: Blocks) -> Iterator[None]:
     setattr(parent, attr, kept)
     try:
         with fx_traceback.preserve_node_meta():
-            yield
+            try:
+                yield
+            finally:
+                # A block that raised never ran its forward hook: unwind its tag here, innermost first and inside
+                # preserve_node_meta (which resets the node meta on exit; an annotate() closed after that fails
+                # with KeyError 'custom' and hides the block's own error).
+                for slot in sorted(open_tags, reverse=True):
+                    open_tags.pop(slot).close()
     finally:
         setattr(parent, attr, full)
         for h in handles:
             h.remove()
-        for stack in open_tags.values():
-            stack.close()
 
 
 # ---- slots of the traced nodes ------------------------------------------------------------------------------
