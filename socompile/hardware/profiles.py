@@ -1,8 +1,8 @@
 """Hardware profiles: the machine a plan is made for. Each number cites its source.
 
 A profile is frozen data. Shipped profiles live in ``PROFILES``; a user profile is a JSON or TOML file with the
-same field names (``load_profile``); ``this-machine`` is measured by ``socompile.plan.calibrate`` and cached
-in a profile file. ``get_profile`` accepts a name, ``this-machine`` or a path.
+same field names (``load_profile``); ``this-machine`` is measured by ``calibrate.py`` and cached in a profile
+file. ``targets.get_profile`` accepts a name, ``this-machine`` or a path.
 """
 from __future__ import annotations
 
@@ -165,26 +165,3 @@ def save_profile(profile: HardwareProfile, path: str | os.PathLike) -> pathlib.P
     path.write_text(json.dumps(profile.to_dict(), sort_keys=True, indent=1) + "\n")
     return path
 
-
-def get_profile(name: str) -> HardwareProfile:
-    """A shipped profile by name, ``this-machine`` (measured once, then cached), or a profile file path."""
-    if name in PROFILES:
-        return PROFILES[name]
-    if name == THIS_MACHINE:
-        cached = profile_cache_path()
-        if cached.exists():
-            return load_profile(cached)
-        from .calibrate import calibrate
-        profile = calibrate(quick=True)
-        save_profile(profile, cached)
-        return profile
-    if name.endswith((".json", ".toml")) or os.sep in name:
-        if not os.path.exists(name):
-            raise ValueError(f"hardware profile file {name!r} does not exist")
-        return load_profile(name)
-    import difflib
-    known = [*PROFILES, THIS_MACHINE]
-    close = difflib.get_close_matches(name, known, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ValueError(f"unknown target {name!r}{hint}; known targets: {', '.join(known)}, or a .json/.toml "
-                     f"profile file")

@@ -8,10 +8,10 @@ import dataclasses
 import sympy
 
 from ..capture.ir import IR
+from ..hardware.profiles import HardwareProfile
 from ..options import Options
-from .analysis import GraphCosts
-from .cost import CostModel
-from .hardware import HardwareProfile
+from ..perf.analysis import GraphCosts
+from ..perf.cost import CostModel
 from .memory import MemoryEstimate, device_memory, flow_buffer_peak
 
 HOST_HEADROOM = 0.90      # fraction of host memory the plan may use (the OS, the data loader, Python)
