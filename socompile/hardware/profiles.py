@@ -15,7 +15,7 @@ GB = 10**9
 
 # NOTE: CPU Adam bytes per parameter. One fused AdamW pass reads p, g, m, v and writes p, m, v: 7 fp32 streams =
 # 28 B/param (26 with bf16 gradients; +2 when it also writes the bf16 weight copy). The blog's GraceAdam table
-# (8B params in 0.608 s on GH200) is 28 B/param at ~368 GB/s. cost.py and calibrate.py both use these.
+# (8B params in 0.608 s on GH200) is 28 B/param at ~368 GB/s. perf/cost.py and calibrate.py both use these.
 ADAM_BYTES_FP32_GRAD = 28
 ADAM_BYTES_BF16_GRAD = 26
 ADAM_BYTES_BF16_COPY = 2
@@ -37,7 +37,7 @@ class HardwareProfile:
     link_bandwidth_d2h: float = 0.0   # bytes/s device->host if different from link_bandwidth (0: same)
     source: str = ""                  # where the numbers come from (shown in reports)
     # Between GPUs (data- and sequence-parallel collectives). Bandwidths are per GPU and per direction, as the
-    # datasheets' "bidirectional" figures halved; collectives reach NET_EFFICIENCY of them (cost.py).
+    # datasheets' "bidirectional" figures halved; collectives reach NET_EFFICIENCY of them (perf/cost.py).
     gpus_per_node: int = 1            # GPUs that share the intra-node fabric
     gpus_per_host: int = 1            # GPUs that share host_memory/host_cores/CPU Adam (1 on a Superchip)
     intra_node_bandwidth: float = 0.0   # bytes/s per GPU per direction inside a node (NVLink/PCIe)

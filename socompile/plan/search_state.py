@@ -1,5 +1,6 @@
-"""What the planner's decisions share: the planning context, PlanError and small helpers over it (device
-memory of a bucket placement, buckets that can stream). planner.py and activation_policy.py import these."""
+"""What the planner's decisions share: its search state (``_Context``: the IR, profile, options and costs one
+``plan()`` call weighs), PlanError and small helpers over it (device memory of a bucket placement, buckets that
+can stream). planner.py, floor.py and activation_policy.py import these."""
 from __future__ import annotations
 
 import bisect
