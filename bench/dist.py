@@ -9,7 +9,7 @@ buckets padded to a multiple of W) and one 16-byte all-reduce for validation. Th
 collectives (ring estimate, counted by ZeroSharding) to that minimum must stay <= 1.05.
 
 Also prints the 8 x GH200, 13B, 1M-token configuration of the paper (55% MFU), planned and simulated for one
-rank (socompile/plan/simulate.py: Ulysses all-to-alls around every attention, ZeRO reduce-scatter/all-gather per
+rank (socompile/perf/simulate.py: Ulysses all-to-alls around every attention, ZeRO reduce-scatter/all-gather per
 bucket, on the profile's interconnect), beside the analytic volumes. ``--no-sim`` skips it (it traces 13B at
 1M tokens under FakeTensorMode: ~1 minute).
 """
@@ -69,7 +69,7 @@ def simulated_row(world: int = 8, seq: int = 1 << 20) -> dict:
 
     from socompile.models import build
     from socompile.offline import plan_model
-    from socompile.plan.hardware import get_profile
+    from socompile.hardware import get_profile
     from socompile.plan.planner import plan_with_details
     ctx = plan_model(lambda: build("llama-13b", max_seq_len=seq), batch=1, seq=seq,
                      options={"target": "gh200", "sp_degree": world}, dtype=torch.bfloat16, run_passes=False)

@@ -9,9 +9,9 @@ import torch
 
 from socompile.offline import plan_model
 from socompile.options import Options
-from socompile.plan.hardware import get_profile
+from socompile.hardware import get_profile
 from socompile.plan.planner import PlanError, plan_with_details
-from socompile.plan.simulate import recompute_time
+from socompile.perf.simulate import recompute_time
 
 
 def details(model: str, seq: int, batch: int, target: str = "gh200", **opts):

@@ -49,7 +49,7 @@ def simulated(model: str, seq: int, batch: int, target: str, rates: list[float])
     from socompile.offline import plan_model
     from socompile.plan import get_profile
     from socompile.plan.planner import plan_with_details
-    from socompile.plan.simulate import simulate
+    from socompile.perf.simulate import simulate
 
     ctx = plan_model(model, batch=batch, seq=seq, options={"target": target}, dtype=_torch.bfloat16,
                      run_passes=False)

@@ -22,7 +22,7 @@ _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**1
 # SOCOMPILE_* name must be an option (a misspelt one is an error, not ignored).
 NOT_OPTIONS = {
     "SOCOMPILE_ISA": "socompile_ext/__init__.py: forces the CPU Adam kernel's SIMD path (docs/kernel.md)",
-    "SOCOMPILE_PROFILE_DIR": "socompile/plan/hardware.py: where `calibrate` stores this machine's profile",
+    "SOCOMPILE_PROFILE_DIR": "socompile/hardware/profiles.py: where `calibrate` stores this machine's profile",
     "SOCOMPILE_DEEPSPEED_PYTHON": "bench/adam.py: the Python interpreter that has DeepSpeed, for the comparison",
 }
 
@@ -51,7 +51,7 @@ class Options:
     """Options of ``torch.compile(model, backend="superoffload", options={...})``."""
 
     target: str = "gh200"
-    """Hardware profile the plan is made for (see ``socompile.plan.hardware``); also on a CPU-only machine."""
+    """Hardware profile the plan is made for (see ``socompile.hardware``); also on a CPU-only machine."""
     bucket_size: int | str | None = None
     """Bytes of fp32 gradients per optimizer bucket (the unit of CPU stepping and reduce-scatter); None: the
     planner chooses (64MB, or the largest smaller size whose buckets in flight fit the device budget)."""

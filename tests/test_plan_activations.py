@@ -206,7 +206,7 @@ def test_intra_node_groups_use_the_fast_fabric():
 
 def test_pcie_servers_share_the_host_between_their_gpus():
     from socompile.plan.planner import _per_rank_profile
-    from socompile.plan.hardware import PROFILES
+    from socompile.hardware import PROFILES
     hw = _per_rank_profile(PROFILES["h100-pcie"], 8)
     assert hw.host_memory == PROFILES["h100-pcie"].host_memory // 8
     assert _per_rank_profile(PROFILES["gh200"], 8) == PROFILES["gh200"]

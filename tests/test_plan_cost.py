@@ -1,8 +1,8 @@
 import sympy
 import pytest
 
-from socompile.plan.cost import CostModel, op_class
-from socompile.plan.hardware import PROFILES
+from socompile.perf.cost import CostModel, op_class
+from socompile.hardware import PROFILES
 
 
 def test_matmul_time_is_compute_bound_when_flops_dominate():

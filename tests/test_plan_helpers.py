@@ -7,7 +7,7 @@ import functools
 import torch
 
 from socompile.options import Options
-from socompile.plan.hardware import GB, PROFILES
+from socompile.hardware import GB, PROFILES
 
 
 @functools.lru_cache(maxsize=None)

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from socompile.plan.calibrate import calibrate
-from socompile.plan.hardware import PROFILES, get_profile, load_profile, save_profile
+from socompile.hardware.calibrate import calibrate
+from socompile.hardware import PROFILES, get_profile, load_profile, save_profile
 
 
 def test_shipped_profiles_have_positive_numbers_and_a_source():

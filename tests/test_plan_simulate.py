@@ -2,7 +2,7 @@ import pytest
 
 from test_plan_helpers import options, profile, traced
 from socompile.plan.planner import plan_with_details
-from socompile.plan.simulate import Task, replay, simulate
+from socompile.perf.simulate import Task, replay, simulate
 
 
 def test_lanes_run_in_issue_order_and_wait_for_dependencies():

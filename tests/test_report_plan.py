@@ -8,7 +8,7 @@ import pytest
 
 from test_plan_helpers import options, profile, traced
 from socompile.plan.planner import plan_with_details
-from socompile.plan.simulate import simulate
+from socompile.perf.simulate import simulate
 from socompile.report import plan_html, plan_json, plan_table
 
 ARTIFACTS = pathlib.Path(__file__).resolve().parent.parent / "artifacts"
@@ -66,7 +66,7 @@ def test_html_report_renders_in_headless_chromium(details):
 
 
 def test_cli_plans_a_parallel_job_with_an_activation_policy(capsys, tmp_path):
-    from socompile.plan.cli_commands import cmd_plan
+    from socompile.cli.plan_commands import cmd_plan
     out_json = tmp_path / "p.json"
     assert cmd_plan(["--model", "tiny", "--seq", "512", "--batch", "1", "--sp", "2", "--dp", "2", "--nodes", "1",
                      "--activations", "recompute", "--json", str(out_json)]) == 0

@@ -1,6 +1,6 @@
 """The runtime's recorded events of a real step become a timeline: flow copies on the h2d stream's thread, bucket
 steps on the optimizer's thread, overlapping the backward on the compute thread."""
-from socompile.runtime.timeline import record_step, spans, to_svg
+from socompile.tools.runtime_timeline import record_step, spans, to_svg
 
 
 def test_a_recorded_step_shows_copies_and_steps_on_their_own_threads_overlapping_backward():

@@ -63,7 +63,7 @@ def _runtime(ctx):
 
 def _repeated_layers(ctx, layers) -> list[str]:
     """Every repeated layer group of the compiled model (from its parameter names), ``layers`` included."""
-    from ..plan.analysis import is_repeated_layer, layer_group
+    from ..perf.analysis import is_repeated_layer, layer_group
     names = (getattr(ctx, "param_names", None) or {}).values()
     return sorted({layer_group(n) for n in names if is_repeated_layer(n)} | set(layers))
 
@@ -81,7 +81,7 @@ def _layer_starts(gm: fx.GraphModule, layers) -> dict[str, fx.Node]:
 
 def _first_gradients(gm: fx.GraphModule, ctx) -> dict[str, fx.Node]:
     """Per layer group, the backward node that produces the first of its parameters' gradients (from the IR)."""
-    from ..plan.analysis import is_repeated_layer, layer_group
+    from ..perf.analysis import is_repeated_layer, layer_group
     nodes = {n.name: n for n in gm.graph.nodes}
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     out: dict[str, fx.Node] = {}

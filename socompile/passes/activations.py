@@ -106,7 +106,7 @@ def _is_random(node: fx.Node) -> bool:
 
 def _is_attention(node: fx.Node) -> bool:
     """An attention kernel (SDPA, flash / efficient / cuDNN attention; the cost model's 'attention' class)."""
-    from ..plan.cost import op_class
+    from ..perf.cost import op_class
     return isinstance(node.target, torch._ops.OpOverload) and op_class(str(node.target), False) == "attention"
 
 

@@ -1,5 +1,5 @@
 """Planning: decide, per bucket of parameters, where state lives and when work runs."""
-from .hardware import PROFILES, HardwareProfile, get_profile
+from ..hardware import PROFILES, HardwareProfile, get_profile
 from .plan import BucketPlan, Plan
 from .planner import plan
 

@@ -9,9 +9,9 @@ import dataclasses
 import sympy
 
 from ..units import human_bytes
-from .context import HOST_HEADROOM, PlanError, _compact_buckets, _Context, _device, _dtype_name
 from .memory import host_memory
 from .plan import ACTIVATION_CHOICES
+from .search_state import HOST_HEADROOM, PlanError, _compact_buckets, _Context, _device, _dtype_name
 
 X = "selective_offload"
 
@@ -53,7 +53,7 @@ def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
     n = len(layers)
     a2a = {}
     if ctx.sp > 1:
-        from .simulate import ulysses_bytes
+        from ..perf.simulate import ulysses_bytes
         per = ulysses_bytes(costs, ctx.sp)
         for lc in layers:
             sent = sum(b for pos, b in zip(costs.fw_attention, per) if lc.fw_span[0] <= pos < lc.fw_span[1])

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from ..units import human_bytes
 from .bucketize import FP32_BYTES
-from .context import _formula, _Context
 from .memory import MemoryEstimate
+from .search_state import _formula, _Context
 
 DEFAULT_BUCKET_BYTES = 64 * 10**6   # options.bucket_size when not pinned and it fits (the presets' plans)
 SMALLEST_BUCKET_BYTES = 64 * 10**3  # below this, per-bucket overheads dominate and the floor hardly falls

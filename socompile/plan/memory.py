@@ -1,7 +1,7 @@
 """Memory accounting of a candidate plan: peak device memory, pinned host memory and total host memory.
 
 Device (per step, at the activation peak):
-    activations                         (graph liveness, or the checkpointing estimate; analysis.py)
+    activations                         (graph liveness, or the checkpointing estimate; perf/analysis.py)
   + weights of stationary buckets       (numel * weight bytes; plus parameters without a socompile optimizer)
   + GPU-resident optimizer state        (fp32 master + m + v = 12 B/param, + the gradient kept to validation)
   + gradient staging for CPU buckets    (2 buckets: one being filled, one on the link)
@@ -9,7 +9,7 @@ Device (per step, at the activation peak):
   + upload staging for device casts     (2 * largest stationary CPU bucket, fp32)
 Gradient staging is no buffer of the runtime's: it is the backward graph's own gradient tensors, held by a
 bucket's step node until the bucket is complete and by its device-to-host copy until it lands in the pinned
-landing buffer (runtime/host_master.py), so analysis.py does not count them as activations. The floor of a plan
+landing buffer (runtime/host_master.py), so perf/analysis.py does not count them as activations. The floor of a plan
 (planner._min_device) therefore scales with the largest bucket, and bucket_size with it.
 Host:
   per CPU bucket: master + m + v (12 B/param), ping-pong copies for exact rollback (+12), the gradient landing

@@ -25,19 +25,19 @@ import dataclasses
 import gc
 
 from ..capture.ir import IR
+from ..hardware.profiles import HardwareProfile
 from ..options import Options
+from ..perf.analysis import GraphCosts, analyze, layer_group
+from ..perf.cost import CostModel
+from ..perf.simulate import simulate
 from ..units import human_bytes
 from .activation_policy import _activation_policy
-from .analysis import GraphCosts, analyze, layer_group
 from .bucketize import FP32_BYTES, bucketize
-from .context import (HOST_HEADROOM, PlanError, _compact_buckets, _Context, _device, _dtype_name,  # noqa: F401
-                      _formula)
-from .cost import CostModel
 from .floor import bucket_size_candidates, bucket_size_line, bucket_text, infeasible_message
-from .hardware import HardwareProfile
 from .memory import MemoryEstimate, host_memory, runtime_device_bytes
 from .plan import BucketPlan, Plan
-from .simulate import simulate
+from .search_state import (HOST_HEADROOM, PlanError, _compact_buckets, _Context, _device,  # noqa: F401
+                           _dtype_name, _formula)
 
 MAX_PREFETCH = 8          # buffers beyond this cost memory and no longer hide anything on these profiles
 FULL_SEARCH = 48          # try every K up to this many buckets; beyond, a grid then a local refinement
@@ -202,7 +202,7 @@ def _parallel_line(ctx: _Context) -> str:
 
 
 def _net_eff() -> float:
-    from .cost import NET_EFFICIENCY
+    from ..perf.cost import NET_EFFICIENCY
     return NET_EFFICIENCY
 
 

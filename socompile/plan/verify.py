@@ -229,7 +229,7 @@ def _compute_readers(node) -> list:
 
 
 def _activation_choices(plan: Plan, ir: IR) -> list[str]:
-    from .analysis import is_repeated_layer, layer_group
+    from ..perf.analysis import is_repeated_layer, layer_group
     from .plan import ACTIVATION_CHOICES
     out = []
     layers = {layer_group(n) for n in ir.params if is_repeated_layer(n)}
@@ -261,7 +261,7 @@ def _budgets(plan: Plan, hw) -> list[str]:
 
 def _replay(plan: Plan, costs, cost) -> list[str]:
     """Replay the step and check its order: one optimizer task per bucket, prefetches before their reads."""
-    from .simulate import simulate
+    from ..perf.simulate import simulate
     sim = simulate(plan, costs, cost)
     out = []
     steps: dict[int, int] = {}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 
-from .hardware import ADAM_BYTES_FP32_GRAD, GB, THIS_MACHINE, HardwareProfile
+from .profiles import ADAM_BYTES_FP32_GRAD, GB, THIS_MACHINE, HardwareProfile
 
 
 def _best_of(fn, repeats: int) -> float:

@@ -1,6 +1,6 @@
 """A timeline of one real training step from the runtime's recorded events (EventLog), as SVG and as text.
 
-    python -m socompile.runtime.timeline --out docs/runtime_timeline.svg [--preset tiny --layers 2]
+    python -m socompile.tools.runtime_timeline --out docs/runtime_timeline.svg [--preset tiny --layers 2]
 
 Lanes are the threads that recorded events: the compute thread (forward and backward; flow waits and releases,
 gradient hand-offs), the ``h2d`` stream (weight copies) and the CPU optimizer worker (bucket steps). On this
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import html
 
-from .events import Event
+from ..runtime.events import Event
 
 LANES = (("compute", "compute (graph)"), ("h2d", "h2d stream"), ("optimizer", "CPU optimizer"))
 SPANS = {"h2d_start": ("h2d_end", "h2d", "#4e79a7"), "step_start": ("step_end", "optimizer", "#e15759"),

@@ -1,5 +1,6 @@
-"""What the planner's decisions share: the planning context, PlanError and small helpers over it (device
-memory of a bucket placement, buckets that can stream). planner.py and activation_policy.py import these."""
+"""What the planner's decisions share: its search state (``_Context``: the IR, profile, options and costs one
+``plan()`` call weighs), PlanError and small helpers over it (device memory of a bucket placement, buckets that
+can stream). planner.py, floor.py and activation_policy.py import these."""
 from __future__ import annotations
 
 import bisect
@@ -8,10 +9,10 @@ import dataclasses
 import sympy
 
 from ..capture.ir import IR
+from ..hardware.profiles import HardwareProfile
 from ..options import Options
-from .analysis import GraphCosts
-from .cost import CostModel
-from .hardware import HardwareProfile
+from ..perf.analysis import GraphCosts
+from ..perf.cost import CostModel
 from .memory import MemoryEstimate, device_memory, flow_buffer_peak
 
 HOST_HEADROOM = 0.90      # fraction of host memory the plan may use (the OS, the data loader, Python)

@@ -37,11 +37,14 @@ all-gathered, on the net lane, overlapping compute.
 from __future__ import annotations
 
 import bisect
+from typing import TYPE_CHECKING
 
 from .analysis import GraphCosts
 from .cost import CostModel
-from .plan import Plan
 from .timeline import SimResult, Task, replay
+
+if TYPE_CHECKING:   # annotations only: importing socompile.plan here would close the circle plan -> perf -> plan
+    from ..plan.plan import Plan
 
 # DeepSpeed CPU-Adam / GraceAdam bandwidth fractions from the SuperOffload blog's Adam table (58% vs 74%).
 DEEPSPEED_ADAM_SCALE = 0.58 / 0.74

@@ -1,8 +1,8 @@
 """Hardware profiles: the machine a plan is made for. Each number cites its source.
 
 A profile is frozen data. Shipped profiles live in ``PROFILES``; a user profile is a JSON or TOML file with the
-same field names (``load_profile``); ``this-machine`` is measured by ``socompile.plan.calibrate`` and cached
-in a profile file. ``get_profile`` accepts a name, ``this-machine`` or a path.
+same field names (``load_profile``); ``this-machine`` is measured by ``calibrate.py`` and cached in a profile
+file. ``targets.get_profile`` accepts a name, ``this-machine`` or a path.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ GB = 10**9
 
 # NOTE: CPU Adam bytes per parameter. One fused AdamW pass reads p, g, m, v and writes p, m, v: 7 fp32 streams =
 # 28 B/param (26 with bf16 gradients; +2 when it also writes the bf16 weight copy). The blog's GraceAdam table
-# (8B params in 0.608 s on GH200) is 28 B/param at ~368 GB/s. cost.py and calibrate.py both use these.
+# (8B params in 0.608 s on GH200) is 28 B/param at ~368 GB/s. perf/cost.py and calibrate.py both use these.
 ADAM_BYTES_FP32_GRAD = 28
 ADAM_BYTES_BF16_GRAD = 26
 ADAM_BYTES_BF16_COPY = 2
@@ -37,7 +37,7 @@ class HardwareProfile:
     link_bandwidth_d2h: float = 0.0   # bytes/s device->host if different from link_bandwidth (0: same)
     source: str = ""                  # where the numbers come from (shown in reports)
     # Between GPUs (data- and sequence-parallel collectives). Bandwidths are per GPU and per direction, as the
-    # datasheets' "bidirectional" figures halved; collectives reach NET_EFFICIENCY of them (cost.py).
+    # datasheets' "bidirectional" figures halved; collectives reach NET_EFFICIENCY of them (perf/cost.py).
     gpus_per_node: int = 1            # GPUs that share the intra-node fabric
     gpus_per_host: int = 1            # GPUs that share host_memory/host_cores/CPU Adam (1 on a Superchip)
     intra_node_bandwidth: float = 0.0   # bytes/s per GPU per direction inside a node (NVLink/PCIe)
@@ -165,26 +165,3 @@ def save_profile(profile: HardwareProfile, path: str | os.PathLike) -> pathlib.P
     path.write_text(json.dumps(profile.to_dict(), sort_keys=True, indent=1) + "\n")
     return path
 
-
-def get_profile(name: str) -> HardwareProfile:
-    """A shipped profile by name, ``this-machine`` (measured once, then cached), or a profile file path."""
-    if name in PROFILES:
-        return PROFILES[name]
-    if name == THIS_MACHINE:
-        cached = profile_cache_path()
-        if cached.exists():
-            return load_profile(cached)
-        from .calibrate import calibrate
-        profile = calibrate(quick=True)
-        save_profile(profile, cached)
-        return profile
-    if name.endswith((".json", ".toml")) or os.sep in name:
-        if not os.path.exists(name):
-            raise ValueError(f"hardware profile file {name!r} does not exist")
-        return load_profile(name)
-    import difflib
-    known = [*PROFILES, THIS_MACHINE]
-    close = difflib.get_close_matches(name, known, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ValueError(f"unknown target {name!r}{hint}; known targets: {', '.join(known)}, or a .json/.toml "
-                     f"profile file")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sympy
 
-from .hardware import ADAM_BYTES_BF16_COPY, ADAM_BYTES_BF16_GRAD, ADAM_BYTES_FP32_GRAD, HardwareProfile
+from ..hardware.profiles import ADAM_BYTES_BF16_COPY, ADAM_BYTES_BF16_GRAD, ADAM_BYTES_FP32_GRAD, HardwareProfile
 
 # Fraction of the datasheet peak that each class of operator reaches. Sources: large bf16 GEMMs on H100 reach
 # ~70% of dense peak (NVIDIA's cuBLAS/Transformer Engine benchmarks, ~650-700 of 989 TFLOP/s); FlashAttention-2/3

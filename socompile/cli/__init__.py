@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli_args import CommandError, non_negative_int, positive_int, writable_file, writable_folder
+from .args import CommandError, non_negative_int, positive_int, writable_file, writable_folder
 
 
 def _cmd_demo(argv: list[str]) -> int:
@@ -15,14 +15,14 @@ def _cmd_demo(argv: list[str]) -> int:
     parser.add_argument("--seq", type=positive_int, default=128)
     parser.add_argument("--compute", default="inductor", choices=["inductor", "eager"])
     args = parser.parse_args(argv)
-    from .demo import run_demo
+    from ..demo import run_demo
     losses = run_demo(args.preset, args.steps, args.batch, args.seq, compute=args.compute)
     return 0 if losses[-1] < losses[0] else 1
 
 
 def _cmd_plan(argv: list[str]) -> int:
     try:
-        from .plan.cli_commands import cmd_plan
+        from .plan_commands import cmd_plan
     except ImportError:
         cmd_plan = None
     if cmd_plan is not None:
@@ -36,8 +36,8 @@ def _cmd_plan(argv: list[str]) -> int:
     parser.add_argument("--json", help="also write the plan as JSON to this path")
     args = parser.parse_args(argv)
     writable_file(args.json, "--json")
-    from .offline import plan_model
-    from .report import plan_json, plan_table
+    from ..offline import plan_model
+    from ..report import plan_json, plan_table
     ctx = plan_model(args.model, args.batch, args.seq, {"target": args.target, "bucket_size": args.bucket_size})
     print(plan_table(ctx.plan, len(ctx.ir.bw_order)))
     if args.json:
@@ -64,12 +64,12 @@ def _cmd_dump(argv: list[str]) -> int:
                              "the small presets); real runs compile through the backend and show every pass")
     args = parser.parse_args(argv)
     writable_folder(args.out, "--out")   # before the compile, which would otherwise be lost
-    from .report import write_dumps
+    from ..report import write_dumps
     options = {"target": args.target, "bucket_size": args.bucket_size, "weight_mode": args.weight_mode,
                "gpu_buckets": args.gpu_buckets}
     fake = args.fake if args.fake is not None else args.model not in ("tiny", "tiny-tied", "small")
     if fake:
-        from .offline import plan_model
+        from ..offline import plan_model
         ctx = plan_model(args.model, args.batch, args.seq, options)
     else:
         ctx = _compile_once(args.model, args.batch, args.seq, options)
@@ -84,8 +84,8 @@ def _compile_once(model: str, batch: int, seq: int, options: dict):
     """One forward+backward of a real model through the backend (eager compute): the context it compiled."""
     import torch
 
-    from . import AdamW, SuperOffload
-    from .offline import resolve_model_factory
+    from .. import AdamW, SuperOffload
+    from ..offline import resolve_model_factory
 
     net = resolve_model_factory(model)()
     vocab = getattr(getattr(net, "cfg", None), "vocab_size", 256)
@@ -99,7 +99,7 @@ def _compile_once(model: str, batch: int, seq: int, options: dict):
 
 
 def _cmd_doctor(argv: list[str]) -> int:
-    from .doctor import report
+    from ..doctor import report
     print(report())
     return 0
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     extra = {}
     try:  # the planner adds calibrate/simulate when present
-        from .plan import cli_commands
+        from . import plan_commands as cli_commands
         extra = {name[4:]: fn for name, fn in vars(cli_commands).items()
                  if name.startswith("cmd_") and name[4:] not in COMMANDS}
     except ImportError:

@@ -1,4 +1,5 @@
-"""Command-line logic of ``python -m socompile plan | calibrate | simulate`` (socompile/cli.py dispatches here).
+"""Command-line logic of ``python -m socompile plan | calibrate | simulate`` (the dispatcher in
+socompile/cli/__init__.py calls these).
 
     python -m socompile plan --model llama-25b --seq 4096 --batch 4 --target gh200 [--json P] [--html P]
     python -m socompile calibrate [--quick] [--out this-machine.json]
@@ -14,7 +15,7 @@ import resource
 import sys
 import time
 
-from ..cli_args import non_negative_int, positive_int, writable_file
+from .args import non_negative_int, positive_int, writable_file
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
@@ -83,7 +84,7 @@ def _target_for_nodes(args) -> str:
     import dataclasses
     import tempfile
 
-    from ..plan.hardware import get_profile, save_profile
+    from ..hardware import get_profile, save_profile
     hw = get_profile(args.target)
     per_node = max(1, -(-(args.dp * args.sp) // args.nodes))
     if per_node == hw.gpus_per_node:
@@ -95,7 +96,7 @@ def _target_for_nodes(args) -> str:
 
 
 def _details(ctx):
-    from ..plan.hardware import get_profile
+    from ..hardware import get_profile
     from ..plan.planner import plan_with_details
     return plan_with_details(ctx.ir, get_profile(ctx.options.target), ctx.options)
 
@@ -121,7 +122,7 @@ def cmd_plan(argv: list[str] | None = None) -> int:
     if args.json_path:
         pathlib.Path(args.json_path).write_text(plan_json(ctx.plan) + "\n")
     if args.html_path:
-        from ..plan.simulate import simulate
+        from ..perf.simulate import simulate
         details = _details(ctx)
         sims = [details.simulation, details.zero_offload,
                 simulate(details.plan, details.costs, details.cost, "zero-infinity")]
@@ -140,7 +141,7 @@ def cmd_simulate(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     writable_file(args.html_path, "--html")
     from ..plan.planner import PlanError
-    from ..plan.simulate import simulate
+    from ..perf.simulate import simulate
     from ..report import plan_html
     try:
         details = _details(_plan(args))
@@ -168,8 +169,8 @@ def cmd_calibrate(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="this-machine")
     args = parser.parse_args(argv)
     writable_file(args.out, "--out")   # before measuring
-    from .calibrate import calibrate
-    from .hardware import profile_cache_path, save_profile
+    from ..hardware.calibrate import calibrate
+    from ..hardware.profiles import profile_cache_path, save_profile
     profile = calibrate(quick=args.quick, name=args.name)
     path = save_profile(profile, args.out or profile_cache_path())
     for key, value in profile.to_dict().items():
