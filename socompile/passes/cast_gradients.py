@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from .registry import register
-from .weight_flow import _Builder
+from .graph_build import GraphBuilder
 
 PASS_NAME = "cast_gradients"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,9 +29,8 @@ def _kept_as_is(grad_dtype: torch.dtype, link: torch.dtype) -> bool:
     return link == torch.float32 and (grad_dtype == torch.float64 or grad_dtype.is_complex)
 
 
-@register(PASS_NAME, phase="bw")
 def cast_gradients(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
-    build = _Builder(gm, PASS_NAME)
+    build = GraphBuilder(gm, PASS_NAME)
     buckets = {b.index: b for b in plan.buckets}
     for node in list(gm.graph.nodes):
         if node.target is not torch.ops.socompile.bucket_grads_ready.default:
