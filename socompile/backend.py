@@ -52,6 +52,8 @@ class SuperOffload:
             self.options = options
         else:
             self.options = Options.resolve({**(options or {}), **kwargs})
+        from .passes.table import check_requirements
+        check_requirements(self.options.disable_passes)   # as run_passes does, but before anything is compiled
         self.compiled: list[CompileContext] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list, **_ignored):
