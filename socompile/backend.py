@@ -52,8 +52,9 @@ class SuperOffload:
             self.options = options
         else:
             self.options = Options.resolve({**(options or {}), **kwargs})
-        from .passes.table import check_requirements
-        check_requirements(self.options.disable_passes)   # as run_passes does, but before anything is compiled
+        if self.options.disable_passes:   # as run_passes does, but before anything is compiled
+            from .passes.table import check_requirements   # (the passes import the planner: only when needed)
+            check_requirements(self.options.disable_passes)
         self.compiled: list[CompileContext] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list, **_ignored):

@@ -1,7 +1,7 @@
 """Pass: gradients cross the link in the bucket's planned precision (``BucketPlan.link_dtype``).
 
-Pattern, for a bucket whose link precision differs from its gradients' dtype (runs after
-insert_optimizer_steps)::
+Pattern, for a bucket whose link precision differs from its gradients' dtype (it rewrites the nodes
+insert_optimizer_steps inserts: ``requires`` in table.py)::
 
     g_i' = convert_element_type(g_i, link_dtype)            # on the device, before the copy to the host
     socompile.bucket_grads_ready([g_1'..g_k'], [...], claim, b, segments)

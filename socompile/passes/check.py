@@ -29,6 +29,7 @@ class GraphInvariantError(PlanInvariantError):
 
     def __init__(self, after: str, problems: list[str]):
         super().__init__([f"after {after}: {p}" for p in problems])
+        self.args = ("rewritten graphs rejected (a socompile pass bug):\n  - " + "\n  - ".join(self.problems),)
         self.after = after
 
 
