@@ -19,7 +19,7 @@ import torch
 import socompile
 from socompile.models import build
 from socompile.passes import activations
-from socompile.passes.check import graph_problems
+from socompile.passes.table import graph_problems
 from socompile.passes.layers import layer_of, module_path
 from socompile.runtime.activation_offload import IN_FLIGHT, ActivationOffloadRuntime, offloadable
 from socompile.runtime.device import CPURuntime, CUDARuntime

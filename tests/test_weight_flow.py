@@ -16,7 +16,7 @@ import torch
 from torch import fx
 
 from socompile.models import build
-from socompile.passes.check import graph_problems
+from socompile.passes.table import graph_problems
 from socompile.passes.graph_build import GraphBuilder
 from socompile.passes.weight_flow import _saved_outputs_from_master
 from socompile.plan.memory import runtime_device_bytes

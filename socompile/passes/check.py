@@ -41,19 +41,6 @@ def check_graph(ctx, phase: str, gm: fx.GraphModule, applied, after: str) -> Non
         raise GraphInvariantError(after, problems)
 
 
-def graph_problems(ctx, fw: fx.GraphModule | None, bw: fx.GraphModule | None, disabled=()) -> list[str]:
-    """Every broken invariant of the rewritten ``fw``/``bw`` graphs (None: not checked) of the passes of the
-    table that are not ``disabled``: what the compile checks, for tests and tools."""
-    from .table import PASSES
-    out: list[str] = []
-    for phase, gm in (("fw", fw), ("bw", bw)):
-        if gm is None:
-            continue
-        out += [p for e in PASSES if e.phase == phase and e.name not in disabled and e.invariant is not None
-                for p in e.invariant(ctx, phase, gm)]
-    return out
-
-
 # ------------------------------------------------------------------------------------- insert_optimizer_steps
 def buckets_handed_once(ctx, phase: str, gm: fx.GraphModule) -> list[str]:
     handed: dict[int, int] = {}

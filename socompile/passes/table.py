@@ -144,6 +144,18 @@ def _apply(entry: Pass, gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
     return gm
 
 
+def graph_problems(ctx, fw: fx.GraphModule | None, bw: fx.GraphModule | None, disabled=()) -> list[str]:
+    """Every broken invariant of the rewritten ``fw``/``bw`` graphs (None: not checked) of the passes of the
+    table that are not ``disabled``: what the compile checks, for tests and tools."""
+    out: list[str] = []
+    for phase, gm in (("fw", fw), ("bw", bw)):
+        if gm is None:
+            continue
+        out += [p for e in PASSES if e.phase == phase and e.name not in disabled and e.invariant is not None
+                for p in e.invariant(ctx, phase, gm)]
+    return out
+
+
 def run_hooks(ctx) -> None:
     """The compile hooks not turned off by name, once the plan is made."""
     for hook in HOOKS:
