@@ -52,6 +52,9 @@ class SuperOffload:
             self.options = options
         else:
             self.options = Options.resolve({**(options or {}), **kwargs})
+        if self.options.disable_passes:   # as run_passes does, but before anything is compiled
+            from .passes.table import check_requirements   # (the passes import the planner: only when needed)
+            check_requirements(self.options.disable_passes)
         self.compiled: list[CompileContext] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list, **_ignored):
@@ -286,6 +289,7 @@ def _apply_plan(ctx: CompileContext, fw: fx.GraphModule, bw: fx.GraphModule) -> 
         fw, bw = passes.activations.repartition(ctx, fw, bw)
     # ---
     _emit_plan(ctx)
+    _run_compile_hooks(ctx)   # e.g. ranks must have planned alike (distributed runs), optimizer or not
     if ctx.optimizer is not None and ctx.plan.buckets:
         from torch.utils._python_dispatch import _disable_current_modes
         by_name = {name: ctx.param_objects[i] for i, name in ctx.param_names.items()}
@@ -310,15 +314,8 @@ def _apply_plan(ctx: CompileContext, fw: fx.GraphModule, bw: fx.GraphModule) -> 
             with timed("passes"):
                 fw = passes.run_passes(fw, "fw", ctx.plan, ctx)
                 bw = passes.run_passes(bw, "bw", ctx.plan, ctx)
-        ctx.forward_graph, ctx.backward_graph = fw, bw
-        _check_rewritten(ctx, fw, bw)
+        ctx.forward_graph, ctx.backward_graph = fw, bw   # checked by run_passes (passes/check.py)
         _emit_pass_graphs(ctx)
-    else:   # no socompile optimizer, so no passes ran: ranks must still have planned alike (distributed runs)
-        from torch.utils._python_dispatch import _disable_current_modes
-        for check in (p for p in passes.registry.PASSES if p.name == "check_plan_across_ranks"
-                      and p.name not in ctx.options.disable_passes):
-            with _disable_current_modes():   # it talks to the other ranks with real tensors
-                check.fn(bw, ctx.plan, ctx)
     if ctx.options.dump_dir:
         from .report.dump import write_dumps
         write_dumps(ctx, ctx.options.dump_dir)
@@ -337,15 +334,16 @@ def _bind_runtime(ctx: CompileContext, claim) -> None:
     ctx.offload = OffloadRuntime(ctx.plan, claim.buckets, device_runtime(device), events=ctx.optimizer.events)
     claim.offload_runtimes = [*getattr(claim, "offload_runtimes", []), ctx.offload]
     ctx.flow_schedule = flow_schedule(ctx.plan, ctx.ir)
-    ctx.flow_saved_chains = {}
 
 
-def _check_rewritten(ctx: CompileContext, fw: fx.GraphModule, bw: fx.GraphModule) -> None:
-    """The invariant checker on the graphs that will run (a failure is a pass bug, caught before any step)."""
-    from .plan.verify import PlanInvariantError, check_graphs
-    problems = check_graphs(ctx.plan, ctx.ir, fw, bw, disabled=ctx.options.disable_passes)
-    if problems:
-        raise PlanInvariantError(problems)
+def _run_compile_hooks(ctx: CompileContext) -> None:
+    """The compile hooks of passes/table.py (HOOKS), once the plan is made. With no mode active: the cross-rank
+    plan check talks to the other ranks with real tensors."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from .passes import run_hooks
+    with _disable_current_modes():
+        run_hooks(ctx)
 
 
 def _emit_plan(ctx: CompileContext) -> None:

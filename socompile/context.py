@@ -29,6 +29,8 @@ class CompileContext:
     forward_graph: Any = None
     backward_graph: Any = None
     dumps: list[GraphDump] = dataclasses.field(default_factory=list)
+    # what a forward pass hands to its backward pass (passes/table.py): pass name -> its frozen record
+    pass_records: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def record_dump(self, phase: str, pass_name: str, before: str, after: str, gm=None) -> None:
         self.dumps.append(GraphDump(phase, pass_name, before, after, gm))

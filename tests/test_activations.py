@@ -19,7 +19,8 @@ import torch
 import socompile
 from socompile.models import build
 from socompile.passes import activations
-from socompile.plan.verify import check_graphs
+from socompile.passes.table import graph_problems
+from socompile.passes.layers import layer_of, module_path
 from socompile.runtime.activation_offload import IN_FLIGHT, ActivationOffloadRuntime, offloadable
 from socompile.runtime.device import CPURuntime, CUDARuntime
 from training_helpers import assert_same_params, batches, lm_loss, run_pair
@@ -101,7 +102,7 @@ def _layer_outputs(fw, bw, layers):
     out = {}
     for arg in output.args[0]:
         if isinstance(arg, torch.fx.Node) and arg.name in saved:
-            out.setdefault(activations.layer_of(arg, layers), []).append(arg)
+            out.setdefault(layer_of(arg, layers), []).append(arg)
     return out
 
 
@@ -179,15 +180,14 @@ def test_rewritten_graphs_pass_the_invariant_checkers_with_weight_flow_and_the_c
         lm_loss(cmodel(x), y).backward()
     ctx = backend.compiled[0]
     assert any(b.weight_mode == "flow" for b in ctx.plan.buckets)
-    assert check_graphs(ctx.plan, ctx.ir, ctx.forward_graph, ctx.backward_graph) == []
-    assert activations.check_graphs(ctx.forward_graph, ctx.backward_graph) == []
+    assert graph_problems(ctx, ctx.forward_graph, ctx.backward_graph) == []   # flow and offload alike
     assert ctx.offload.live_fetched() == 0
     prefetch = [n for n in ctx.backward_graph.graph.nodes
                 if n.target is torch.ops.socompile.prefetch_activations.default]
     assert len(prefetch) == 1 and prefetch[0].args[1] == "layers.1"   # one offloaded layer
     hosts = prefetch[0].args[2]
     prefetch[0].args = (*prefetch[0].args[:2], hosts[1:])    # the first host copy would never come back
-    problems = activations.check_graphs(ctx.forward_graph, ctx.backward_graph)
+    problems = graph_problems(ctx, ctx.forward_graph, ctx.backward_graph)
     assert problems == [f"backward: saved activation {hosts[0].name} is prefetched 0 times, expected once"]
 
 
@@ -397,9 +397,9 @@ def test_module_paths_name_the_layer_groups_of_parameter_names():
              "L['self']._modules['layers']._modules['0']": "layers.0",
              "L['self'].model.layers[3].mlp": "model.layers.3.mlp",
              "L['mod'].h.11": "h.11"}
-    assert {p: activations.module_path(p) for p in paths} == paths
+    assert {p: module_path(p) for p in paths} == paths
     graph = torch.fx.Graph()
     node = graph.placeholder("x")
     node.meta["nn_module_stack"] = {"a": ("L['self'].model", object), "b": ("L['self'].model.layers.12.mlp", object)}
-    assert activations.layer_of(node, ["model.layers.1", "model.layers.12"]) == "model.layers.12"
-    assert activations.layer_of(node, ["model.layers.1"]) is None
+    assert layer_of(node, ["model.layers.1", "model.layers.12"]) == "model.layers.12"
+    assert layer_of(node, ["model.layers.1"]) is None

@@ -26,14 +26,9 @@ SOURCE = pathlib.Path(__file__).resolve().parent.parent / "socompile"
 # fixed by the pipeline/passes branches; the coordinator empties this list at merge
 KNOWN_UNTIL_MERGE = {
     "import edges": {
-        # Options.__post_init__ asks passes/ for known_pass_names: options -> passes -> activations -> plan -> options
-        ("socompile.options", "socompile.passes"),
-        # the import at the bottom of passes/activations.py; activation_offload imports activations back
-        ("socompile.passes.activations", "socompile.passes.activation_offload"),
     },
     "globals": {
         ("socompile.passes.activations", "_override"),
-        ("socompile.passes.registry", "PASSES"),
     },
 }
 

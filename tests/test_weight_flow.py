@@ -16,9 +16,10 @@ import torch
 from torch import fx
 
 from socompile.models import build
-from socompile.passes.weight_flow import _Builder, _saved_outputs_from_master
+from socompile.passes.table import graph_problems
+from socompile.passes.graph_build import GraphBuilder
+from socompile.passes.weight_flow import _saved_outputs_from_master
 from socompile.plan.memory import runtime_device_bytes
-from socompile.plan.verify import check_graphs
 from training_helpers import assert_same_params, run_pair
 
 STEPS = 4
@@ -51,7 +52,7 @@ def assert_runtime_as_planned(ctx, steps=STEPS):
             if a.kind == "prefetch":
                 assert ctx.offload.fetch_counts[(phase, a.bucket)] == steps
     assert ctx.offload.live_fetched() == 0                 # no saved view keeps a device buffer alive
-    assert check_graphs(ctx.plan, ctx.ir, ctx.forward_graph, ctx.backward_graph) == []
+    assert graph_problems(ctx, ctx.forward_graph, ctx.backward_graph) == []
 
 
 CASES = {
@@ -164,7 +165,7 @@ def test_the_checker_names_a_prefetch_removed_by_hand():
                 if n.target is torch.ops.socompile.wait_weights.default and n.args[2] == bucket)
     wait.update_arg(6, None)       # the ticket: the data edge that orders the wait after its prefetch
     fw.graph.erase_node(victim)
-    problems = check_graphs(ctx.plan, ctx.ir, fw, ctx.backward_graph)
+    problems = graph_problems(ctx, fw, ctx.backward_graph)
     assert problems == [f"forward: missing socompile.prefetch of flow bucket {bucket}: nothing starts the copy "
                         f"that node {wait.name!r} waits for"]
 
@@ -180,7 +181,7 @@ def test_the_checker_names_a_compute_node_that_still_reads_the_host_master():
     with fw.graph.inserting_before(mm):
         direct = fw.graph.call_function(torch.ops.aten.t.default, (placeholder,))
     mm.args = (mm.args[0], direct)
-    problems = check_graphs(ctx.plan, ctx.ir, fw, ctx.backward_graph)
+    problems = graph_problems(ctx, fw, ctx.backward_graph)
     assert any(f"['{mm.name}'] read flow parameter" in m and placeholder.name in m for m in problems), problems
 
 
@@ -194,7 +195,7 @@ def test_a_saved_view_of_a_fetched_weight_is_rebuilt_from_the_host_master():
     g.output((mm, t))
     gm = fx.GraphModule(torch.nn.Module(), g)
     chains = {}
-    _saved_outputs_from_master(gm, _Builder(gm, "test"), {fetched: "w"}, {"w": [primal]}, chains)
+    _saved_outputs_from_master(gm, GraphBuilder(gm, "test"), {fetched: "w"}, {"w": [primal]}, chains)
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     assert out[0] is mm                                       # the compute still reads the fetched copy
     assert out[1] is not t and out[1].target is torch.ops.aten.t.default and out[1].args[0] is primal
@@ -231,7 +232,7 @@ def test_backward_flow_alone_still_trains_like_eager_when_the_forward_pass_is_di
     ours, ref, ctx, _ = train(tiny, weight_mode="flow", prefetch_distance=1, disable_passes=["weight_flow_forward"])
     assert not any(n.target is torch.ops.socompile.wait_weights.default for n in ctx.forward_graph.graph.nodes)
     assert any(n.target is torch.ops.socompile.wait_weights.default for n in ctx.backward_graph.graph.nodes)
-    assert check_graphs(ctx.plan, ctx.ir, ctx.forward_graph, ctx.backward_graph, disabled=("weight_flow_forward",)) == []
+    assert graph_problems(ctx, ctx.forward_graph, ctx.backward_graph, disabled=("weight_flow_forward",)) == []
     assert_same_params(ours, ref)
 
 

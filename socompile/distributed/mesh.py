@@ -74,17 +74,9 @@ def init_distributed(dp: int | None = None, sp: int = 1, timeout_s: float = DEFA
     return make_topology(dp, sp, timeout_s)
 
 
-def register_plan_check() -> None:
-    """Register the ``check_plan_across_ranks`` backward pass (once; importing the module registers it).
-    Done by init_distributed, make_topology and shard_optimizer rather than at package import, so merely
-    importing socompile.distributed changes no compile."""
-    from . import plan_check  # noqa: F401
-
-
 def make_topology(dp: int | None, sp: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> Topology:
     """Build the groups of a (dp, sp) mesh over the initialised default group. Every rank must call this
     with the same arguments (group creation is itself collective)."""
-    register_plan_check()
     world, rank = dist.get_world_size(), dist.get_rank()
     if sp < 1 or world % sp:
         raise ValueError(f"sp={sp} must be a positive divisor of the world size {world}")

@@ -204,9 +204,6 @@ def shard_optimizer(optimizer, group=None, broadcast_from: int | None = 0) -> Ze
         raise TypeError(f"shard_optimizer needs a socompile.AdamW, got {type(optimizer).__name__}")
     if optimizer._sharding is not None:
         raise RuntimeError("this optimizer is already sharded")
-    from .mesh import register_plan_check
-
-    register_plan_check()   # ranks that shard one optimizer must have planned its buckets alike
     sharding = ZeroSharding(group)
     if sharding.world > 1:
         check_same_optimizer(optimizer, group)   # before the first collective over its buckets

@@ -1,7 +1,7 @@
 """Activation offload: the two passes that move offloaded layers' saved tensors to host memory in forward
-and back in backward, and the checker of what they wrote. Separate from activations.py (which tags layers for
-recompute in the joint graph, before partitioning) because these run later, as registered passes, on the
-partitioned graphs, with a runtime of their own (runtime/activation_offload.py).
+and back in backward (check.py holds what they write to its invariants). Separate from activations.py (which
+tags layers for recompute in the joint graph, before partitioning) because these run later, as passes of the
+table (table.py), on the partitioned graphs, with a runtime of their own (runtime/activation_offload.py).
 
 **offload** is applied by two passes on the partitioned graphs::
 
@@ -33,8 +33,8 @@ import torch
 from torch import fx
 
 from ..ops import activation_ops  # noqa: F401  (registers socompile::offload_activation / prefetch / wait)
-from .activations import OFFLOADED, layer_of
-from .registry import register
+from .graph_build import GraphBuilder
+from .layers import OFFLOADED, layer_of
 
 log = logging.getLogger("socompile")
 
@@ -48,6 +48,16 @@ class Offloaded:
     layer: str
     index: int           # position among the layer's offloaded tensors in forward order
     device: torch.device
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadedActivations:
+    """What activation_offload_forward hands to activation_offload_backward: per forward output name (the
+    backward placeholder that receives its host copy), where it came from."""
+    tensors: tuple[tuple[str, Offloaded], ...] = ()
+
+    def by_placeholder(self) -> dict[str, Offloaded]:
+        return dict(self.tensors)
 
 
 def _runtime(ctx):
@@ -105,18 +115,16 @@ def _root(node: fx.Node) -> fx.Node:
     return node
 
 
-@register(FW_NAME, phase="fw")
-def activation_offload_forward(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
+def activation_offload_forward(gm: fx.GraphModule, plan, ctx) -> tuple[fx.GraphModule, OffloadedActivations]:
     from ..runtime.activation_offload import offloadable
-    from .weight_flow import _Builder
     layers = [layer for layer, choice in plan.activations if choice in OFFLOADED]
     if not layers or getattr(ctx, "offload", None) is None:
-        return gm
+        return gm, OffloadedActivations()
     if BW_NAME in ctx.options.disable_passes:
         log.warning("socompile: %s is disabled, so activations are not offloaded either", BW_NAME)
-        return gm
+        return gm, OffloadedActivations()
     rt = _runtime(ctx)
-    build = _Builder(gm, FW_NAME)
+    build = GraphBuilder(gm, FW_NAME)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     outputs = list(output.args[0])
     descs = output.meta.get("desc")
@@ -175,19 +183,16 @@ def activation_offload_forward(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
         with where:
             build.call(torch.ops.socompile.offload_wait.default, (rt.handle, layer, offloads[layer], keepalive),
                        f"{why}; its device tensors are freed here", last)
-    ctx.activation_offloaded = plan_map
     log.info("socompile: %d saved tensor(s) of %d layer(s) offloaded to host memory", len(plan_map), len(per_layer))
-    return gm
+    return gm, OffloadedActivations(tuple(plan_map.items()))
 
 
-@register(BW_NAME, phase="bw")
-def activation_offload_backward(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
-    from .weight_flow import _Builder
-    offloaded: dict[str, Offloaded] = getattr(ctx, "activation_offloaded", None) or {}
+def activation_offload_backward(gm: fx.GraphModule, plan, ctx, record: OffloadedActivations | None) -> fx.GraphModule:
+    offloaded = record.by_placeholder() if record is not None else {}
     if not offloaded:
         return gm
     rt = _runtime(ctx)
-    build = _Builder(gm, BW_NAME)
+    build = GraphBuilder(gm, BW_NAME)
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     holders = {n.name: n for n in nodes if n.op == "placeholder" and n.name in offloaded}
@@ -259,71 +264,4 @@ def activation_offload_backward(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule
                     w.meta["val"] = torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device=info.device)
             h.replace_all_uses_with(w, delete_user_cb=lambda user: user.target not in (
                 torch.ops.socompile.wait_activation.default, torch.ops.socompile.prefetch_activations.default))
-    problems = check_graphs(ctx.forward_graph if ctx.forward_graph is not None else None, gm)
-    if problems:
-        from ..plan.verify import PlanInvariantError
-        raise PlanInvariantError(problems)
     return gm
-
-
-def _listed_by(nodes: list[fx.Node], op, arg: int) -> dict[fx.Node, list[fx.Node]]:
-    """Node -> the ``op`` nodes (in graph order) whose argument ``arg``, a list of nodes, names it."""
-    out: dict[fx.Node, list[fx.Node]] = {}
-    for n in nodes:
-        if n.target is op:
-            for t in n.args[arg]:
-                out.setdefault(t, []).append(n)
-    return out
-
-
-def check_graphs(fw: fx.GraphModule | None, bw: fx.GraphModule) -> list[str]:
-    """Invariants of offloaded activations on the rewritten graphs. Forward: every host copy is saved (a graph
-    output) and every offloaded device tensor is kept alive by exactly one ``offload_wait`` of its layer, after
-    its offload. Backward: each host copy has exactly one prefetch, before exactly one wait, and nothing but
-    those two reads it (every compute reads the fetched device tensor). Each message names the node at fault."""
-    ops = torch.ops.socompile
-    out: list[str] = []
-    if fw is not None:
-        nodes = list(fw.graph.nodes)
-        pos = {n: i for i, n in enumerate(nodes)}
-        output = nodes[-1]
-        returned = {a for a in output.args[0] if isinstance(a, fx.Node)}
-        waits = _listed_by(nodes, ops.offload_wait.default, 3)      # device tensor -> its offload_waits
-        for n in nodes:
-            if n.target is not ops.offload_activation.default:
-                continue
-            t = n.args[2]
-            if n not in returned:
-                out.append(f"forward: {n.name} offloads {t.name} but the host copy is not saved")
-            w = [x for x in waits.get(t, []) if x.args[1] == n.args[1]]
-            if len(w) != 1:
-                out.append(f"forward: {t.name} (offloaded by {n.name}) is kept alive by {len(w)} "
-                           f"socompile.offload_wait nodes of {n.args[1]}, expected 1")
-            elif pos[w[0]] < pos[n] or n not in w[0].args[2]:
-                out.append(f"forward: {w[0].name} may run before {n.name} (it must come later and take its output)")
-    nodes = list(bw.graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    prefetched = _listed_by(nodes, ops.prefetch_activations.default, 2)   # host copy -> its prefetches
-    for n in nodes:
-        if n.target is not ops.wait_activation.default:
-            continue
-        h, ticket = n.args[3], n.args[4]
-        pre = prefetched.get(h, [])
-        if len(pre) != 1:
-            out.append(f"backward: saved activation {h.name} is prefetched {len(pre)} times, expected once")
-        elif pos[pre[0]] > pos[n]:
-            out.append(f"backward: {n.name} waits for {h.name} before its prefetch {pre[0].name}")
-        elif ticket is not pre[0]:
-            out.append(f"backward: {n.name} takes the ticket of {getattr(ticket, 'name', ticket)}, not of the "
-                       f"prefetch {pre[0].name} that copies {h.name}: a scheduler may run it first")
-        waits = [u for u in h.users if u.target is ops.wait_activation.default]
-        if len(waits) != 1:
-            out.append(f"backward: saved activation {h.name} has {len(waits)} waits, expected 1")
-        direct = [u.name for u in h.users if u.target not in (ops.wait_activation.default,
-                                                              ops.prefetch_activations.default)]
-        if direct:
-            out.append(f"backward: {direct} read the host copy {h.name} instead of its fetched device tensor")
-    for h, pre in prefetched.items():
-        if not any(u.target is ops.wait_activation.default for u in h.users):
-            out.append(f"backward: saved activation {h.name} is prefetched by {pre[0].name} but never waited for")
-    return out

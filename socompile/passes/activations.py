@@ -15,23 +15,23 @@ the new graphs and the plan is made again with the first plan's activation choic
 plan names (bucket ``ready_after``, flow anchors) is a node of the graphs that run.
 
 **offload** (and selective_offload's checkpoints) is applied by two passes on the partitioned graphs, in
-activation_offload.py; they are imported at the end of this module, so importing it registers them.
+activation_offload.py (listed with the other passes in table.py).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import operator
-import re
 
 import torch
 from torch import fx
+
+from .layers import OFFLOADED, layer_of
 
 log = logging.getLogger("socompile")
 
 RECOMPUTE_NAME = "activation_recompute"   # the name its before/after dumps carry (applied at partition time)
 CHOICES = ("keep", "recompute", "selective", "selective_offload", "offload")
-OFFLOADED = ("offload", "selective_offload")   # saved tensors (selective_offload: its checkpoints) go to host
 
 _override: dict[str, str] | None = None
 
@@ -54,30 +54,6 @@ def override(choices: dict[str, str]):
         yield
     finally:
         _override = previous
-
-
-# ------------------------------------------------------------------------------------------ layers of nodes
-_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
-_ITEM = re.compile(r"(?:\.?_modules)?\[['\"]?([^'\"\]]+)['\"]?\]")
-
-
-def module_path(path: str) -> str:
-    """Dynamo's module path as a parameter-name prefix: "L['self'].layers.0.attn" -> "layers.0.attn";
-    "L['self']._modules['layers']._modules['0']" -> "layers.0"."""
-    path = _PREFIX.sub("", path)
-    return _ITEM.sub(lambda m: "." + m.group(1), path).strip(".")
-
-
-def layer_of(node: fx.Node, layers) -> str | None:
-    """The layer group (one of ``layers``) whose module produced ``node``, from its ``nn_module_stack``."""
-    stack = node.meta.get("nn_module_stack") or {}
-    found = None
-    for value in stack.values():
-        path = module_path(value[0] if isinstance(value, tuple) else str(value))
-        for layer in layers:
-            if path == layer or path.startswith(layer + "."):
-                found = layer        # innermost match wins (the stack is outermost first)
-    return found
 
 
 def _tangent_closure(graph: fx.Graph) -> set[fx.Node]:
@@ -200,10 +176,3 @@ class Repartition:
 
     def __call__(self):
         return self.partition_fn(self.joint, self.joint_inputs, **self.kwargs)
-
-
-# Last, because activation_offload imports layer_of and OFFLOADED from here: importing this module registers
-# the offload passes (passes/__init__.py imports only this one), and their names stay importable from here.
-from .activation_offload import (  # noqa: E402,F401
-    BW_NAME, FW_NAME, PREFETCH_AHEAD, Offloaded, activation_offload_backward, activation_offload_forward,
-    check_graphs)

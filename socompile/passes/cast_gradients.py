@@ -1,7 +1,7 @@
 """Pass: gradients cross the link in the bucket's planned precision (``BucketPlan.link_dtype``).
 
-Pattern, for a bucket whose link precision differs from its gradients' dtype (runs after
-insert_optimizer_steps)::
+Pattern, for a bucket whose link precision differs from its gradients' dtype (it rewrites the nodes
+insert_optimizer_steps inserts: ``requires`` in table.py)::
 
     g_i' = convert_element_type(g_i, link_dtype)            # on the device, before the copy to the host
     socompile.bucket_grads_ready([g_1'..g_k'], [...], claim, b, segments)
@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from .registry import register
-from .weight_flow import _Builder
+from .graph_build import GraphBuilder
 
 PASS_NAME = "cast_gradients"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,9 +29,8 @@ def _kept_as_is(grad_dtype: torch.dtype, link: torch.dtype) -> bool:
     return link == torch.float32 and (grad_dtype == torch.float64 or grad_dtype.is_complex)
 
 
-@register(PASS_NAME, phase="bw")
 def cast_gradients(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
-    build = _Builder(gm, PASS_NAME)
+    build = GraphBuilder(gm, PASS_NAME)
     buckets = {b.index: b for b in plan.buckets}
     for node in list(gm.graph.nodes):
         if node.target is not torch.ops.socompile.bucket_grads_ready.default:

@@ -17,7 +17,6 @@ import torch
 from torch import fx
 
 from ..ops import optimizer_ops  # noqa: F401  (registers socompile::bucket_grads_ready)
-from .registry import register
 
 PASS_NAME = "insert_optimizer_steps"
 
@@ -30,7 +29,6 @@ def _node(gm: fx.GraphModule, key: str) -> fx.Node:
     raise KeyError(f"plan names backward node {key!r}, which is not in the graph")
 
 
-@register(PASS_NAME, phase="bw")
 def insert_optimizer_steps(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
     ir = ctx.ir
     output = next(n for n in gm.graph.nodes if n.op == "output")

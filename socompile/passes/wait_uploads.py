@@ -22,7 +22,6 @@ import torch
 from torch import fx
 
 from ..ops import offload_ops  # noqa: F401  (registers socompile::wait_upload)
-from .registry import register
 
 PASS_NAME = "wait_uploads"
 
@@ -38,7 +37,6 @@ def _parameter_placeholders(gm: fx.GraphModule, ctx, params: set[str]) -> list[f
     return out
 
 
-@register(PASS_NAME, phase="fw")
 def wait_uploads(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
     runtime = getattr(ctx, "offload", None)
     if runtime is None or getattr(ctx, "claim_handle", -1) < 0:

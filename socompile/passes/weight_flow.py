@@ -18,11 +18,13 @@ the same view ops (e.g. ``aten.t``).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import fx
 
 from ..ops import offload_ops  # noqa: F401  (registers socompile::prefetch / wait_weights / release)
-from .registry import register
+from .graph_build import GraphBuilder
 
 FW_NAME = "weight_flow_forward"
 BW_NAME = "weight_flow_backward"
@@ -30,45 +32,18 @@ BW_NAME = "weight_flow_backward"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+@dataclasses.dataclass(frozen=True)
+class SavedViews:
+    """What weight_flow_forward hands to weight_flow_backward: per backward placeholder that saves a view of a
+    flow parameter, the view ops to replay on the re-fetched weights (``(target, args after the input)``)."""
+    chains: tuple[tuple[str, tuple], ...] = ()
+
+    def by_placeholder(self) -> dict[str, tuple]:
+        return dict(self.chains)
+
+
 def _is_view(node: fx.Node) -> bool:
     return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
-
-
-def _fake_mode(gm: fx.GraphModule):
-    for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and getattr(val, "fake_mode", None) is not None:
-            return val.fake_mode
-    return None
-
-
-class _Builder:
-    """Creates nodes with the meta the compilers need: a fake ``val``, the source stack trace, and why."""
-
-    def __init__(self, gm: fx.GraphModule, pass_name: str):
-        self.graph = gm.graph
-        self.fake = _fake_mode(gm)
-        self.pass_name = pass_name
-
-    def call(self, target, args, why: str, source: fx.Node) -> fx.Node:
-        node = self.graph.call_function(target, tuple(args))
-        val = None
-        if self.fake is not None and target is torch.ops.socompile.wait_weights.default:
-            # Our ops are never run for their value here: they would act on the runtime (an op without tensor
-            # inputs is not intercepted by the fake mode). wait_weights and prefetch (its ticket) have values.
-            with self.fake:
-                val = torch.empty(args[3], dtype=args[4], device=args[5])
-        elif self.fake is not None and target is torch.ops.socompile.prefetch.default:
-            with self.fake:
-                val = torch.empty(0)    # the ticket its wait takes
-        elif self.fake is not None and getattr(target, "namespace", None) != "socompile":
-            with self.fake:
-                out = target(*fx.node.map_arg(node.args, lambda n: n.meta.get("val")))
-                val = out if isinstance(out, torch.Tensor) else None
-        node.meta["val"] = val
-        node.meta["stack_trace"] = source.meta.get("stack_trace")
-        node.meta["socompile"] = {"pass": self.pass_name, "why": why}
-        return node
 
 
 def _flow_placeholders(gm: fx.GraphModule, ctx, phase: str, flow_params: set[str]) -> dict[str, list[fx.Node]]:
@@ -91,18 +66,19 @@ def _last_readers(anchor: fx.Node) -> list[fx.Node]:
     return [u for u in anchor.users if isinstance(u.meta.get("val"), torch.Tensor)]
 
 
-def _apply(gm: fx.GraphModule, plan, ctx, phase: str, pass_name: str) -> fx.GraphModule:
+def _apply(gm: fx.GraphModule, plan, ctx, phase: str, pass_name: str, chains: dict) -> fx.GraphModule:
+    """``chains``: bw placeholder name -> view ops to replay on the parameter (filled in forward, read in
+    backward)."""
     # Graphs planned for reading only (offline plan/dump: no optimizer, no runtime) get no flow nodes.
     schedule = (getattr(ctx, "flow_schedule", None) or {}).get(phase, [])
     if not schedule or getattr(ctx, "offload", None) is None:
         return gm
     runtime = ctx.offload
-    build = _Builder(gm, pass_name)
+    build = GraphBuilder(gm, pass_name)
     nodes = {n.name: n for n in gm.graph.nodes}
     buckets = {b.index: b for b in plan.buckets}
     flow_params = {p for b in plan.buckets if b.weight_mode == "flow" for p in b.params}
     holders = _flow_placeholders(gm, ctx, phase, flow_params)
-    chains = ctx.flow_saved_chains          # bw placeholder name -> view ops to replay on the parameter
     fetched: dict[fx.Node, str] = {}        # per-parameter weight node -> parameter name
     tickets: dict[int, fx.Node] = {}        # bucket -> its prefetch node, whose output its wait takes (order by data)
     for action in schedule:
@@ -191,7 +167,7 @@ def _chain_in(fw: fx.GraphModule, name: str) -> list:
     return ops[::-1]
 
 
-def _saved_outputs_from_master(gm: fx.GraphModule, build: _Builder, fetched: dict[fx.Node, str],
+def _saved_outputs_from_master(gm: fx.GraphModule, build: GraphBuilder, fetched: dict[fx.Node, str],
                                holders: dict[str, list[fx.Node]], chains: dict) -> None:
     """Forward outputs (saved for backward) that are views of a fetched weight: rebuild them from the parameter
     placeholder, so the saved tensor keeps the host master alive, not the device buffer; remember the view ops
@@ -234,11 +210,12 @@ def _erase_dead_views(gm: fx.GraphModule, node: fx.Node, fetched: dict[fx.Node, 
         node = parent
 
 
-@register(FW_NAME, phase="fw")
-def weight_flow_forward(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
-    return _apply(gm, plan, ctx, "fw", FW_NAME)
+def weight_flow_forward(gm: fx.GraphModule, plan, ctx) -> tuple[fx.GraphModule, SavedViews]:
+    chains: dict[str, tuple] = {}
+    gm = _apply(gm, plan, ctx, "fw", FW_NAME, chains)
+    return gm, SavedViews(tuple((name, tuple(ops)) for name, ops in chains.items()))
 
 
-@register(BW_NAME, phase="bw")
-def weight_flow_backward(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
-    return _apply(gm, plan, ctx, "bw", BW_NAME)
+def weight_flow_backward(gm: fx.GraphModule, plan, ctx, saved: SavedViews | None) -> fx.GraphModule:
+    """``saved`` None (weight_flow_forward turned off): the saved views are read off the forward graph."""
+    return _apply(gm, plan, ctx, "bw", BW_NAME, saved.by_placeholder() if saved is not None else {})

@@ -1,4 +1,5 @@
-"""The invariant checker: prove a plan is safe to apply before any pass applies it.
+"""The invariant checker: prove a plan is safe to apply before any pass applies it (the rewritten graphs are
+checked by socompile/passes/check.py, after every pass).
 
 Checked, each with a message naming the bucket, parameter or number at fault:
 - every bucket is stepped exactly once (unique indices 0..N-1, one site each, one optimizer task in the replay);
@@ -6,8 +7,6 @@ Checked, each with a message naming the bucket, parameter or number at fault:
 - each bucket's ``ready_after`` comes after all its gradients and after every backward read of its weights;
 - every weight-flow bucket is present before each use (fetched, then waited for, before the compute that reads
   it, forward and backward) and is released only after its last use (plan/flow_schedule.py);
-- on the rewritten graphs (``check_graphs``): the flow nodes the passes inserted are all there and in order,
-  no compute reads an offloaded weight from the host, each bucket is handed to its optimizer once;
 - predicted peaks are within budget (device memory, host memory);
 - per-layer activation choices name repeated layer groups of the graph, once each, with a known choice.
 """
@@ -141,90 +140,6 @@ def _flow_lifetimes(plan: Plan, ir: IR) -> list[str]:
         for bucket, kinds in seen.items():
             if kinds != ["prefetch", "wait", "release"]:
                 out.append(f"{phase}: flow bucket {bucket} is scheduled {kinds}, not prefetch, wait, release")
-    return out
-
-
-def check_graphs(plan: Plan, ir: IR, fw, bw, disabled=()) -> list[str]:
-    """Invariants on the rewritten graphs that will run (as opposed to the plan): every flow bucket has one
-    prefetch, before its one wait, and one release after every read of its fetched weights; no compute reads a
-    flow parameter's placeholder (the host master) instead of its fetched copy; every bucket is handed to its
-    optimizer by exactly one node. Each message names the node (or the missing node) at fault."""
-    import torch
-
-    from .flow_schedule import flow_schedule
-    ops = torch.ops.socompile
-    out: list[str] = []
-    schedule = flow_schedule(plan, ir)
-    flow_params = {p: b.index for b in plan.buckets if b.weight_mode == "flow" for p in b.params}
-    for phase, gm, pass_name in (("fw", fw, "weight_flow_forward"), ("bw", bw, "weight_flow_backward")):
-        if gm is None or pass_name in disabled:
-            continue
-        label = "forward" if phase == "fw" else "backward"
-        nodes = list(gm.graph.nodes)
-        pos = {n: i for i, n in enumerate(nodes)}
-        found: dict[str, dict[int, list]] = {"prefetch": {}, "wait": {}, "release": {}}
-        for n in nodes:
-            for kind, op in (("prefetch", ops.prefetch.default), ("wait", ops.wait_weights.default),
-                             ("release", ops.release.default)):
-                if n.target is op:
-                    found[kind].setdefault(n.args[2], []).append(n)
-        for bucket in sorted({a.bucket for a in schedule[phase]}):
-            pre, wait, rel = (found[k].get(bucket, []) for k in ("prefetch", "wait", "release"))
-            if len(wait) != 1:
-                out.append(f"{label}: flow bucket {bucket} has {len(wait)} socompile.wait_weights nodes, expected 1")
-                continue
-            if not pre:
-                out.append(f"{label}: missing socompile.prefetch of flow bucket {bucket}: nothing starts the copy "
-                           f"that node {wait[0].name!r} waits for")
-            elif len(pre) > 1 or pos[pre[0]] > pos[wait[0]]:
-                out.append(f"{label}: flow bucket {bucket} is prefetched by {[n.name for n in pre]}, expected one "
-                           f"node before its wait {wait[0].name!r}")
-            readers = _compute_readers(wait[0])
-            if not rel:
-                out.append(f"{label}: missing socompile.release of flow bucket {bucket}: its device buffer "
-                           f"(from {wait[0].name!r}) would stay booked")
-            elif len(rel) > 1:
-                out.append(f"{label}: flow bucket {bucket} is released {len(rel)} times ({[n.name for n in rel]})")
-            else:
-                late = [r.name for r in readers if pos[r] > pos[rel[0]]]
-                if late:
-                    out.append(f"{label}: flow bucket {bucket} is read by {late} after its release {rel[0].name!r}")
-        for n in nodes:
-            if n.op != "placeholder":
-                continue
-            data = ir.graph.nodes.get(f"{phase}:{n.name}")
-            param = data.get("alias_of") if data else None
-            if param in flow_params and any(a.bucket == flow_params[param] for a in schedule[phase]):
-                direct = [r.name for r in _compute_readers(n)]
-                if direct:
-                    out.append(f"{label}: {direct} read flow parameter {param} through {n.name!r} (the host "
-                               f"master), not its fetched copy")
-    if bw is not None and "insert_optimizer_steps" not in disabled:
-        handed: dict[int, int] = {}
-        for n in bw.graph.nodes:
-            if n.target is ops.bucket_grads_ready.default:
-                handed[n.args[3]] = handed.get(n.args[3], 0) + 1
-        for b in plan.buckets:
-            if handed.get(b.index, 0) != 1:
-                out.append(f"backward: bucket {b.index} is handed to its optimizer {handed.get(b.index, 0)} times, "
-                           f"expected once")
-    return out
-
-
-def _compute_readers(node) -> list:
-    """Nodes that read ``node``'s data, looking through views and dtype casts (not the graph output)."""
-    import torch
-    out, todo = [], [node]
-    while todo:
-        for user in todo.pop().users:
-            if user.op == "output":
-                continue
-            target = user.target
-            if isinstance(target, torch._ops.OpOverload) and (target.is_view or
-                                                              target is torch.ops.prims.convert_element_type.default):
-                todo.append(user)
-            elif target is not torch.ops.socompile.release.default:
-                out.append(user)
     return out
 
 

@@ -85,7 +85,7 @@ class OffloadRuntime:
         entry = self._inflight.pop((phase, bucket), None)
         if entry is None:
             raise RuntimeError(f"socompile: {PHASE_NAMES[phase]} waits for bucket {bucket}, which was not "
-                               f"prefetched (a missing socompile.prefetch node; run plan.verify.check_graphs)")
+                               f"prefetched (a missing socompile.prefetch node; run passes.table.graph_problems)")
         dst, done = entry
         self.device.wait_on_compute(done)
         self.events.record(f"{phase}_wait", bucket)
