@@ -28,16 +28,11 @@ __all__ = ["adam_step", "adam_rollback", "grad_stats", "set_num_threads", "get_n
            "store_choice", "set_store_policy", "get_store_policy", "adam_step_multi", "KernelSettings",
            "kernel_settings"]
 
-_torch = None
-
-
 def _t():
-    global _torch
-    if _torch is None:
-        import torch
+    """torch, imported at the first kernel call rather than with this module (sys.modules caches it)."""
+    import torch
 
-        _torch = torch
-    return _torch
+    return torch
 
 
 def _force_isa(want: str, source: str) -> None:

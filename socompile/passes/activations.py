@@ -27,11 +27,11 @@ import re
 import torch
 from torch import fx
 
+from ..options import ACTIVATION_CHOICES as CHOICES, OFFLOADED_CHOICES as OFFLOADED
+
 log = logging.getLogger("socompile")
 
 RECOMPUTE_NAME = "activation_recompute"   # the name its before/after dumps carry (applied at partition time)
-CHOICES = ("keep", "recompute", "selective", "selective_offload", "offload")
-OFFLOADED = ("offload", "selective_offload")   # saved tensors (selective_offload: its checkpoints) go to host
 
 _override: dict[str, str] | None = None
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from ..dtypes import TORCH_DTYPES
 from .registry import register
 from .weight_flow import _Builder
 
 PASS_NAME = "cast_gradients"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _kept_as_is(grad_dtype: torch.dtype, link: torch.dtype) -> bool:
@@ -38,7 +38,7 @@ def cast_gradients(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
         if node.target is not torch.ops.socompile.bucket_grads_ready.default:
             continue
         bucket = buckets[node.args[3]]
-        want = _DTYPES.get(bucket.link_dtype)
+        want = TORCH_DTYPES.get(bucket.link_dtype)
         if want is None or bucket.optimizer_site != "cpu":
             continue
         grads = []

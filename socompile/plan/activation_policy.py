@@ -9,7 +9,8 @@ import dataclasses
 import sympy
 
 from ..units import human_bytes
-from .context import HOST_HEADROOM, PlanError, _compact_buckets, _Context, _device, _dtype_name
+from ..dtypes import dtype_name
+from .context import HOST_HEADROOM, PlanError, _compact_buckets, _Context, _device
 from .memory import host_memory
 from .plan import ACTIVATION_CHOICES
 
@@ -71,7 +72,7 @@ def _activation_room(ctx: _Context, base) -> tuple[float, float]:
     _compact_buckets) streamed at distance 1, in bf16."""
     compact = _compact_buckets(ctx, base)
     reachable = [dataclasses.replace(b, weight_mode="flow", prefetch_distance=1, cast_site="cpu",
-                                     param_link_dtype=_dtype_name(ctx.weight_bytes)) if b.index in compact else b
+                                     param_link_dtype=dtype_name(ctx.weight_bytes)) if b.index in compact else b
                  for b in base]
     fixed = _device(ctx, reachable).device_peak - ctx.activations
     return ctx.budget - fixed, _host_room(ctx, base)

@@ -39,9 +39,10 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
+from ..dtypes import dtype_bytes
 from .analysis import GraphCosts
 from .cost import CostModel
-from .plan import Plan
+from .plan import OFFLOADED_CHOICES, Plan
 from .timeline import SimResult, Task, replay
 
 # DeepSpeed CPU-Adam / GraceAdam bandwidth fractions from the SuperOffload blog's Adam table (58% vs 74%).
@@ -169,7 +170,7 @@ class _Step:
         """An offloaded layer's saved tensors (a selective_offload one's checkpoints) go out after its forward and
         come back before its backward, through a window of two layers."""
         fw, bw = self.hooks["fw"], self.hooks["bw"]
-        offloaded = [lc for lc in self.layers if self.choices[lc.name] in ("offload", "selective_offload")]
+        offloaded = [lc for lc in self.layers if self.choices[lc.name] in OFFLOADED_CHOICES]
         for j, lc in enumerate(offloaded):
             fw.cuts += [lc.fw_span[0], lc.fw_span[1]]
             bw.cuts += [lc.bw_span[0], lc.bw_span[1]]
@@ -336,7 +337,7 @@ class _Step:
         """The gradient shard to host memory. ZeRO-Offload (DeepSpeed stage 1/2 with offload_optimizer,
         async_inplace_copy_grad_to_fp32_buffer_from_gpu): each gradient is cast to fp32 on the GPU and copied
         into the fp32 host buffer as soon as it is reduced, during backward; the CPU Adam runs after backward."""
-        link_bytes = shard * (4 if self.baseline else _dtype_bytes(bk.link_dtype))
+        link_bytes = shard * (4 if self.baseline else dtype_bytes(bk.link_dtype))
         deps = [ready]
         if link_bytes > shard * self.grad_size:   # upcast on the GPU before the copy
             deps = [self.b.add(f"upcast g b{bk.index}", "gpu_aux", self.cost.gpu_cast_time(shard, self.grad_size, 4),
@@ -351,7 +352,7 @@ class _Step:
         after = [down] + ([backward_last] if baseline or self.speculation == "off" else [])
         if baseline:   # unscale_and_clip_grads: fp32 gradients read and written once, before the step
             after = [b.add(f"unscale g b{bk.index}", "cpu", cost.cpu_cast_time(shard, 4, 4), after, "cast")]
-        grad_bytes = 4 if baseline else _dtype_bytes(bk.link_dtype)
+        grad_bytes = 4 if baseline else dtype_bytes(bk.link_dtype)
         writes_copy = (not baseline) and (bk.cast_site == "cpu" or bk.index in self.flow)
         adam = b.add(f"adam b{bk.index}", "cpu", cost.cpu_adam_time(shard, grad_bytes, writes_copy, self.adam_scale),
                      after, "adam")
@@ -416,10 +417,6 @@ def recompute_time(lc, choice: str) -> float:
     if choice in ("selective", "selective_offload"):
         return max(0.0, lc.fw_time - lc.attention_time)
     return 0.0
-
-
-def _dtype_bytes(name: str) -> int:
-    return 2 if name in ("bfloat16", "float16") else 4
 
 
 def plan_grad_dtype_bytes(plan: Plan) -> int:
