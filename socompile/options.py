@@ -19,6 +19,12 @@ from .pass_names import DISABLEABLE
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
+# What a repeated layer's saved activations can become (Plan.activations per layer; options.activations names one
+# for every layer, or 'auto'). Defined here, the lowest module that the planner, the passes and this validation
+# all import (plan/plan.py re-exports it: importing socompile.plan from here would be an import circle).
+ACTIVATION_CHOICES = ("keep", "recompute", "selective", "selective_offload", "offload")
+OFFLOADED_CHOICES = ("offload", "selective_offload")   # saved tensors (selective_offload: its checkpoints) to host
+
 
 # SOCOMPILE_* environment variables that are not options: other parts of the project read them. Every other
 # SOCOMPILE_* name must be an option (a misspelt one is an error, not ignored).
@@ -145,9 +151,9 @@ class Options:
             raise OptionError(f"cast_site must be 'device', 'cpu' or None, got {self.cast_site!r}")
         if self.grad_link_dtype not in (None, "float32", "bfloat16"):
             raise OptionError(f"grad_link_dtype must be 'float32', 'bfloat16' or None, got {self.grad_link_dtype!r}")
-        if self.activations not in ("auto", "keep", "recompute", "selective", "selective_offload", "offload"):
-            raise OptionError(f"activations must be 'auto', 'keep', 'recompute', 'selective', 'selective_offload' "
-                              f"or 'offload', got {self.activations!r}")
+        if self.activations not in ("auto", *ACTIVATION_CHOICES):
+            *most, last = map(repr, ("auto", *ACTIVATION_CHOICES))
+            raise OptionError(f"activations must be {', '.join(most)} or {last}, got {self.activations!r}")
         if self.dp_degree < 1 or self.sp_degree < 1:
             raise OptionError(f"dp_degree and sp_degree must be >= 1, got {self.dp_degree} and {self.sp_degree}")
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))

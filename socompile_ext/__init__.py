@@ -17,33 +17,34 @@ first call). SOCOMPILE_ISA=scalar|avx2|avx512|neon|sve forces a path (must be us
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 
 from . import _adam
 
 __version__ = "0.1.0"
 __all__ = ["adam_step", "adam_rollback", "grad_stats", "set_num_threads", "get_num_threads", "isa", "build_info",
-           "store_choice", "set_store_policy", "get_store_policy", "adam_step_multi"]
-
-_torch = None
-
+           "store_choice", "set_store_policy", "get_store_policy", "adam_step_multi", "KernelSettings",
+           "kernel_settings"]
 
 def _t():
-    global _torch
-    if _torch is None:
-        import torch
+    """torch, imported at the first kernel call rather than with this module (sys.modules caches it)."""
+    import torch
 
-        _torch = torch
-    return _torch
+    return torch
+
+
+def _force_isa(want: str, source: str) -> None:
+    usable = [name for name, ok in _adam.isa_names() if ok]
+    if not _adam.force_isa(want):
+        raise ValueError(f"{source}={want!r} is not usable on this CPU/build; usable paths: {usable}")
 
 
 def _apply_isa_env():
     want = os.environ.get("SOCOMPILE_ISA", "").strip().lower()
-    if not want:
-        return
-    usable = [name for name, ok in _adam.isa_names() if ok]
-    if not _adam.force_isa(want):
-        raise ValueError(f"SOCOMPILE_ISA={want!r} is not usable on this CPU/build; usable paths: {usable}")
+    if want:
+        _force_isa(want, "SOCOMPILE_ISA")
 
 
 _apply_isa_env()
@@ -297,6 +298,63 @@ def build_info() -> dict:
         "version": __version__,
         "store_policy": get_store_policy(),
     }
+
+
+# ---------------------------------------------------------------- settings
+
+@dataclasses.dataclass(frozen=True)
+class KernelSettings:
+    """The kernel's settings. They live in the C library, one set per process (every thread and every model
+    sees the same ones): read them with ``KernelSettings.current()``; change them for a block of code with
+    ``kernel_settings(...)``, which puts them back afterwards."""
+    threads: int              # OpenMP threads (set_num_threads)
+    isa: str                  # SIMD path (isa(); SOCOMPILE_ISA chooses it at import)
+    store_policy: str         # "auto" | "regular" | "streaming" (set_store_policy)
+    stream_threshold: int     # elements from which "auto" streams
+    prefetch: int             # software prefetch distance in elements (0: off; measurements only)
+    dynamic_schedule: bool    # adam_step_multi's OpenMP schedule (measurements only)
+
+    @classmethod
+    def current(cls) -> KernelSettings:
+        policy, threshold = get_store_policy()
+        return cls(get_num_threads(), isa(), policy, threshold, _adam.get_prefetch(),
+                   bool(_adam.get_dynamic_schedule()))
+
+    def apply(self) -> None:
+        """Make these the kernel's settings; only those that differ from the current ones are set."""
+        now = KernelSettings.current()
+        if self.threads != now.threads:
+            set_num_threads(self.threads)
+        if self.isa != now.isa:
+            _force_isa(self.isa, "isa")
+        if (self.store_policy, self.stream_threshold) != (now.store_policy, now.stream_threshold):
+            set_store_policy(self.store_policy, self.stream_threshold)
+        if self.prefetch != now.prefetch:
+            _adam.set_prefetch(self.prefetch)
+        if self.dynamic_schedule != now.dynamic_schedule:
+            _adam.set_dynamic_schedule(self.dynamic_schedule)
+
+
+@contextlib.contextmanager
+def kernel_settings(**changes):
+    """Run the block with ``changes`` (KernelSettings fields, e.g. ``threads=4, isa="avx2"``) applied; on the way
+    out every setting is put back as it was on entry, those the block changed itself too. Yields the settings
+    of the entry. The settings are process-wide: a caller whose kernel calls may overlap another thread's
+    must serialize them (runtime/cpu_adam.py does)::
+
+        with socompile_ext.kernel_settings(threads=2):
+            socompile_ext.adam_step(...)
+    """
+    known = [f.name for f in dataclasses.fields(KernelSettings)]
+    unknown = sorted(set(changes) - set(known))
+    if unknown:
+        raise TypeError(f"kernel_settings got unknown settings {unknown}; known: {known}")
+    before = KernelSettings.current()
+    try:
+        dataclasses.replace(before, **changes).apply()
+        yield before
+    finally:
+        before.apply()
 
 
 def _copy_ceiling(param, grad, exp_avg, exp_avg_sq, param_out=None, exp_avg_out=None, exp_avg_sq_out=None,

@@ -27,17 +27,10 @@ HP = dict(step=3, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 
 
 @pytest.fixture
-def isa_restored():
-    before = se.isa()
-    yield
-    assert _adam.force_isa(before)
-
-
-@pytest.fixture
-def threads_restored():
-    before = se.get_num_threads()
-    yield
-    se.set_num_threads(before)
+def settings_restored():
+    """The kernel's process-wide settings (SIMD path, threads, store policy, schedule) as they were before."""
+    with se.kernel_settings():
+        yield
 
 
 def make_state(n, seed=0, grad_dtype=torch.float32):
@@ -123,7 +116,7 @@ def assert_bitwise(a, b, what):
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("decoupled", [True, False])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_step_matches_float64_reference(isa, n, decoupled, grad_dtype, isa_restored):
+def test_step_matches_float64_reference(isa, n, decoupled, grad_dtype, settings_restored):
     assert _adam.force_isa(isa)
     p0, g, m0, v0 = make_state(n, seed=n, grad_dtype=grad_dtype)
     hp = {**HP, "decoupled": decoupled, "grad_scale": 0.75}
@@ -138,7 +131,7 @@ def test_step_matches_float64_reference(isa, n, decoupled, grad_dtype, isa_resto
 @pytest.mark.parametrize("isa", X86_ISAS)
 @pytest.mark.parametrize("decoupled", [True, False])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_step_matches_fp32_emulation_bitwise(isa, decoupled, grad_dtype, isa_restored):
+def test_step_matches_fp32_emulation_bitwise(isa, decoupled, grad_dtype, settings_restored):
     assert _adam.force_isa(isa)
     p0, g, m0, v0 = make_state(2 * 16384 + 29, seed=5, grad_dtype=grad_dtype)
     hp = {**HP, "decoupled": decoupled, "grad_scale": 0.5}
@@ -216,7 +209,7 @@ def test_any_shape_is_accepted_when_contiguous():
 # ---------------------------------------------------------------- paths, threads, determinism
 
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_every_isa_on_this_machine_gives_identical_bits(grad_dtype, isa_restored):
+def test_every_isa_on_this_machine_gives_identical_bits(grad_dtype, settings_restored):
     p0, g, m0, v0 = make_state(5 * 16384 + 13, seed=9, grad_dtype=grad_dtype)
     results = {}
     for isa in X86_ISAS:
@@ -232,7 +225,7 @@ def test_every_isa_on_this_machine_gives_identical_bits(grad_dtype, isa_restored
 
 
 @pytest.mark.parametrize("isa", X86_ISAS)
-def test_one_and_two_threads_give_identical_bits(isa, isa_restored, threads_restored):
+def test_one_and_two_threads_give_identical_bits(isa, settings_restored):
     assert _adam.force_isa(isa)
     p0, g, m0, v0 = make_state(7 * 16384 + 3, seed=4)
     out = {}
@@ -243,6 +236,27 @@ def test_one_and_two_threads_give_identical_bits(isa, isa_restored, threads_rest
     for a, b in zip(out[1][:3], out[2][:3]):
         assert_bitwise(a, b, "state")
     assert out[1][3] == out[2][3] and out[1][4] == out[2][4]
+
+
+def test_kernel_settings_apply_inside_the_block_and_restore_every_setting_after_it():
+    before = se.KernelSettings.current()
+    other_isa = next((name for name in X86_ISAS if name != before.isa), before.isa)
+    want = dict(threads=before.threads + 1, isa=other_isa, store_policy="regular",
+                stream_threshold=before.stream_threshold + 8, prefetch=64, dynamic_schedule=not before.dynamic_schedule)
+    with pytest.raises(RuntimeError, match="inside"):
+        with se.kernel_settings(**want) as entry:
+            assert entry == before
+            assert se.KernelSettings.current() == se.KernelSettings(**want)
+            se.set_store_policy("streaming", 4096)   # changed inside the block: restored too
+            raise RuntimeError("inside")
+    assert se.KernelSettings.current() == before
+    with pytest.raises(TypeError, match=r"unknown settings \['threds'\]; known: \['threads'"):
+        with se.kernel_settings(threds=2):
+            pass
+    with pytest.raises(ValueError, match="isa='nonesuch' is not usable"):
+        with se.kernel_settings(isa="nonesuch", threads=before.threads + 1):
+            pass
+    assert se.KernelSettings.current() == before
 
 
 def test_isa_and_build_info_are_reported():
@@ -278,7 +292,7 @@ def test_socompile_isa_env_forces_a_lower_path_without_importing_torch():
 @pytest.mark.parametrize("isa", X86_ISAS)
 @pytest.mark.parametrize("n", [1, 17, 16384 * 9 + 7])  # the last one is large enough for streaming stores
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_ping_pong_equals_in_place_bitwise_and_keeps_inputs(isa, n, grad_dtype, isa_restored):
+def test_ping_pong_equals_in_place_bitwise_and_keeps_inputs(isa, n, grad_dtype, settings_restored):
     assert _adam.force_isa(isa)
     p0, g, m0, v0 = make_state(n, seed=n, grad_dtype=grad_dtype)
     hp = dict(decoupled=False, grad_scale=0.3)
@@ -309,13 +323,6 @@ def test_ping_pong_undoes_a_non_finite_step():
 DEFAULT_STREAM_MIN = se.get_store_policy()[1]  # half the last-level cache / 28 B, at least 128K elements
 
 
-@pytest.fixture
-def stores_restored():
-    before = se.get_store_policy()
-    yield
-    se.set_store_policy(*before)
-
-
 def at_offset(n, off, dtype=torch.float32):
     """An n-element view starting `off` elements after a 64-byte aligned address (torch aligns large CPU
     allocations to 64 bytes; checked), so the kernel has to peel an unaligned head before streaming."""
@@ -339,8 +346,7 @@ def in_place_regular(p0, g, m0, v0, hp):
 ])
 @pytest.mark.parametrize("offsets", [(0, 0), (1, 1), (5, 5), (15, 15), (3, 9)])  # (state outputs, bf16 copy)
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_streaming_ping_pong_equals_regular_in_place_bitwise(isa, n, threshold, offsets, grad_dtype, isa_restored,
-                                                              stores_restored, threads_restored):
+def test_streaming_ping_pong_equals_regular_in_place_bitwise(isa, n, threshold, offsets, grad_dtype, settings_restored):
     """Non-temporal stores change no value: a ping-pong step with streaming stores (unaligned heads and tails
     through regular stores, the sum-of-squares lanes rotated past the head) gives exactly the bits of the
     in-place step with regular stores, for every ISA, at sizes across the threshold, with 1 and 2 threads."""
@@ -371,7 +377,7 @@ def test_streaming_ping_pong_equals_regular_in_place_bitwise(isa, n, threshold, 
 
 @pytest.mark.parametrize("isa", X86_ISAS)
 @pytest.mark.parametrize("off", [0, 7])
-def test_streaming_in_place_and_bf16_only_streaming_equal_regular(isa, off, isa_restored, stores_restored):
+def test_streaming_in_place_and_bf16_only_streaming_equal_regular(isa, off, settings_restored):
     """policy 'streaming' streams in-place outputs too; an in-place step with a separate bf16 copy streams
     the copy alone (auto, above the threshold). Same bits as regular stores."""
     assert _adam.force_isa(isa)
@@ -392,7 +398,7 @@ def test_streaming_in_place_and_bf16_only_streaming_equal_regular(isa, off, isa_
         assert stats == ref[4]
 
 
-def test_outputs_with_different_alignment_fall_back_to_regular_stores(stores_restored):
+def test_outputs_with_different_alignment_fall_back_to_regular_stores(settings_restored):
     n = DEFAULT_STREAM_MIN + 5
     p0, g, m0, v0 = make_state(n, seed=2)
     se.set_store_policy("auto")
@@ -416,7 +422,7 @@ def test_outputs_with_different_alignment_fall_back_to_regular_stores(stores_res
 
 @pytest.mark.parametrize("isa", X86_ISAS)
 @pytest.mark.parametrize("off", [0, 11])
-def test_copy_ceiling_with_streaming_stores_copies_exactly(isa, off, isa_restored, stores_restored):
+def test_copy_ceiling_with_streaming_stores_copies_exactly(isa, off, settings_restored):
     assert _adam.force_isa(isa)
     n = 3 * 16384 + 9
     p, g, m, v = make_state(n, seed=5, grad_dtype=torch.bfloat16)
@@ -428,13 +434,6 @@ def test_copy_ceiling_with_streaming_stores_copies_exactly(isa, off, isa_restore
         for x, y in zip(outs, (p, m, v)):
             assert_bitwise(x, y, f"{policy}: ceiling copy")
         assert torch.equal(o16.view(torch.int16), (p.view(torch.int32) >> 16).to(torch.int16))
-
-
-@pytest.fixture
-def schedule_restored():
-    before = _adam.get_dynamic_schedule()
-    yield
-    _adam.set_dynamic_schedule(before)
 
 
 MULTI_SIZES = [0, 1, 17, 16384 + 5, 3 * 16384 + 17, DEFAULT_STREAM_MIN + 33, 1000]
@@ -453,7 +452,7 @@ def multi_case(seed=0):
 
 
 @pytest.mark.parametrize("isa", X86_ISAS)
-def test_multi_tensor_step_equals_single_calls_bitwise(isa, isa_restored, threads_restored, schedule_restored):
+def test_multi_tensor_step_equals_single_calls_bitwise(isa, settings_restored):
     assert _adam.force_isa(isa)
     hp = {**HP, "decoupled": False, "grad_scale": 0.5}
     ref = []
@@ -504,7 +503,7 @@ def test_one_gradient_may_feed_several_tensors():
 
 
 @pytest.mark.parametrize("dynamic", [True, False])
-def test_copy_ceiling_multi_copies_exactly(dynamic, schedule_restored, stores_restored):
+def test_copy_ceiling_multi_copies_exactly(dynamic, settings_restored):
     _adam.set_dynamic_schedule(dynamic)
     se.set_store_policy("auto", 1024)
     cases = multi_case(seed=3)
@@ -517,26 +516,22 @@ def test_copy_ceiling_multi_copies_exactly(dynamic, schedule_restored, stores_re
 
 
 @pytest.mark.parametrize("isa", X86_ISAS)
-def test_software_prefetch_changes_no_bits(isa, isa_restored, stores_restored):
+def test_software_prefetch_changes_no_bits(isa, settings_restored):
     assert _adam.force_isa(isa)
     n = 3 * 16384 + 17
     p0, g, m0, v0 = make_state(n, seed=12)
     ref = in_place_regular(p0, g, m0, v0, {})
-    _adam.set_prefetch(1000)
-    try:
+    with se.kernel_settings(prefetch=1000, store_policy="auto", stream_threshold=1024):
         assert _adam.get_prefetch() == 1008  # rounded up to whole vectors
-        se.set_store_policy("auto", 1024)
         outs = [at_offset(n, 2) for _ in range(3)]
         stats = se.adam_step(p0.clone(), g, m0.clone(), v0.clone(), **HP, param_out=outs[0], exp_avg_out=outs[1],
                              exp_avg_sq_out=outs[2])
-    finally:
-        _adam.set_prefetch(0)
     for x, y in zip(outs, ref[:3]):
         assert_bitwise(x, y, "state with prefetch")
     assert stats == ref[4]
 
 
-def test_store_policy_is_validated_and_reported(stores_restored):
+def test_store_policy_is_validated_and_reported(settings_restored):
     with pytest.raises(ValueError, match="store policy"):
         se.set_store_policy("nontemporal")
     with pytest.raises(ValueError, match="stream_threshold"):
@@ -615,7 +610,7 @@ def bf16_through_kernel(pbits):
 
 
 @pytest.mark.parametrize("isa", X86_ISAS)
-def test_bf16_param_copy_is_bit_identical_to_torch_including_specials(isa, isa_restored):
+def test_bf16_param_copy_is_bit_identical_to_torch_including_specials(isa, settings_restored):
     assert _adam.force_isa(isa)
     pattern = np.tile(F32_SPECIALS, 3)  # 72 elements: full vectors and a tail on every path
     p, out16 = bf16_through_kernel(pattern)

@@ -185,3 +185,20 @@ def test_ledger_counts_current_peak_breakdown_and_per_phase():
         ledger.free("weight-flow buffers", ("fw", 1))
     with pytest.raises(RuntimeError, match="booked twice"):
         ledger.alloc("weight-flow buffers", ("bw", 2), 30)
+
+
+def test_an_optimizer_owns_one_runtime_per_device_shared_by_its_buckets():
+    """The runtime cache has an owner (socompile.AdamW), not the process: one optimizer's buckets on a device
+    share one runtime (its streams are made once), another optimizer has its own."""
+    import socompile
+    from torch import nn
+
+    def params():
+        return [nn.Parameter(torch.randn(64, dtype=torch.bfloat16)) for _ in range(3)]
+    first = socompile.AdamW(params(), bucket_size=256, host_master="separate")
+    second = socompile.AdamW(params(), bucket_size=256, host_master="separate")
+    runtimes = {id(b.runtime) for b in first._pool}
+    assert len(first._pool) > 1 and len(runtimes) == 1 and None not in {b.runtime for b in first._pool}
+    assert first._pool[0].runtime is first._runtimes.get("cpu")
+    assert second._pool[0].runtime is not first._pool[0].runtime
+    assert isinstance(first._pool[0].runtime, dev.CPURuntime)

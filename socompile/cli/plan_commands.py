@@ -16,6 +16,7 @@ import sys
 import time
 
 from .args import non_negative_int, positive_int, writable_file
+from ..options import ACTIVATION_CHOICES
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
@@ -36,8 +37,7 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-fold", dest="fold", action="store_false",
                         help="trace every block (default: trace 4 identical blocks and repeat one; same plan, faster)")
     parser.add_argument("--activations", default=None,
-                        choices=("auto", "keep", "recompute", "selective", "selective_offload",
-                                 "offload"),
+                        choices=("auto", *ACTIVATION_CHOICES),
                         help="per-layer activation policy (default auto: keep what fits, offload or recompute the rest)")
     parser.add_argument("--dp", type=positive_int, default=1, help="data-parallel degree (ZeRO over dp x sp ranks)")
     parser.add_argument("--sp", type=positive_int, default=1, help="Ulysses sequence-parallel degree (--seq is the whole "

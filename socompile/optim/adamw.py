@@ -32,6 +32,7 @@ from torch import nn
 from ..options import parse_bytes
 from ..plan.bucketize import bucketize
 from ..runtime.cpu_adam import grad_stats, rollback_inplace, step_bucket
+from ..runtime.device import Runtimes
 from ..runtime.events import EventLog
 from ..runtime.flat_bucket import FlatBucket, real_dtype
 from ..runtime.host_master import upload_order
@@ -112,6 +113,7 @@ class AdamW(torch.optim.Optimizer):
         self._taken_over = False
         self._own(range(len(self.param_groups)))
         self._pool: list[FlatBucket] = []
+        self._runtimes = Runtimes()   # the device runtime (streams) of this optimizer's buckets, per device
         # ZeRO-style data parallelism (socompile.distributed.zero.shard_optimizer sets it): reduce-scatters each
         # bucket's gradients, makes every rank step only its shard, agrees on validation, all-gathers weights.
         self._sharding = None
@@ -222,8 +224,7 @@ class AdamW(torch.optim.Optimizer):
         for k, (index, params) in enumerate(zip(indices, param_lists)):
             runtime = None
             if self.host_master == "separate" and params:
-                from ..runtime.device import shared_runtime
-                runtime = shared_runtime(params[0].device)
+                runtime = self._runtimes.get(params[0].device)
             bucket = FlatBucket(index, params, shard=shard, host_master=self.host_master,
                                 site=sites[k] if sites else "cpu", flow=bool(flow and flow[k]), runtime=runtime)
             bucket.adopt(self._slot)

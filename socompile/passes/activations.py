@@ -26,12 +26,12 @@ import operator
 import torch
 from torch import fx
 
+from ..options import ACTIVATION_CHOICES as CHOICES
 from .layers import OFFLOADED, layer_of
 
 log = logging.getLogger("socompile")
 
 RECOMPUTE_NAME = "activation_recompute"   # the name its before/after dumps carry (applied at partition time)
-CHOICES = ("keep", "recompute", "selective", "selective_offload", "offload")
 
 _override: dict[str, str] | None = None
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from ..dtypes import TORCH_DTYPES
 from .graph_build import GraphBuilder
 
 PASS_NAME = "cast_gradients"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _kept_as_is(grad_dtype: torch.dtype, link: torch.dtype) -> bool:
@@ -36,7 +36,7 @@ def cast_gradients(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
         if node.target is not torch.ops.socompile.bucket_grads_ready.default:
             continue
         bucket = buckets[node.args[3]]
-        want = _DTYPES.get(bucket.link_dtype)
+        want = TORCH_DTYPES.get(bucket.link_dtype)
         if want is None or bucket.optimizer_site != "cpu":
             continue
         grads = []

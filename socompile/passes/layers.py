@@ -6,7 +6,7 @@ import re
 
 from torch import fx
 
-OFFLOADED = ("offload", "selective_offload")   # saved tensors (selective_offload: its checkpoints) go to host
+from ..options import OFFLOADED_CHOICES as OFFLOADED  # noqa: F401  (re-exported for the activation passes)
 
 _PREFIX = re.compile(r"^L\['[^']*'\]\.?")
 _ITEM = re.compile(r"(?:\.?_modules)?\[['\"]?([^'\"\]]+)['\"]?\]")

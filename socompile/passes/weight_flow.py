@@ -23,13 +23,13 @@ import dataclasses
 import torch
 from torch import fx
 
+from ..dtypes import TORCH_DTYPES
 from ..ops import offload_ops  # noqa: F401  (registers socompile::prefetch / wait_weights / release)
 from .graph_build import GraphBuilder
 
 FW_NAME = "weight_flow_forward"
 BW_NAME = "weight_flow_backward"
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +92,7 @@ def _apply(gm: fx.GraphModule, plan, ctx, phase: str, pass_name: str, chains: di
         elif action.kind == "wait":
             flat_bucket = runtime.buckets[b.index]
             like = next(holders[p][0] for p in b.params if p in holders).meta["val"]
-            link = _DTYPES[b.param_link_dtype]
+            link = TORCH_DTYPES[b.param_link_dtype]
             with gm.graph.inserting_before(anchor):
                 flat = build.call(torch.ops.socompile.wait_weights.default,
                                   (runtime.handle, phase, b.index, flat_bucket.master.numel(), link, like.device,

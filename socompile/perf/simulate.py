@@ -37,8 +37,11 @@ all-gathered, on the net lane, overlapping compute.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from typing import TYPE_CHECKING
 
+from ..dtypes import dtype_bytes
+from ..options import OFFLOADED_CHOICES
 from .analysis import GraphCosts
 from .cost import CostModel
 from .timeline import SimResult, Task, replay
@@ -96,6 +99,288 @@ def ulysses_bytes(costs: GraphCosts, sp: int) -> list[float]:
     return [b * (sp - 1) / sp for b in costs.attention_bytes]
 
 
+@dataclasses.dataclass
+class _PhaseHooks:
+    """Work hung around one phase's compute segments: ``before[pos]`` -> callables(previous segment's task)
+    returning task ids the segment starting at ``pos`` waits for; ``after[stop]`` -> callables(segment's task)
+    returning ids the next segment waits for; ``cuts``: positions where a segment must start."""
+    before: dict[int, list] = dataclasses.field(default_factory=dict)
+    after: dict[int, list] = dataclasses.field(default_factory=dict)
+    cuts: list[int] = dataclasses.field(default_factory=list)
+
+
+def _net_lane(hw, group: int) -> str:
+    """The lane a collective over ``group`` GPUs runs on: NVLink/PCIe inside a node, else the NIC."""
+    return "net:intra" if hw.group_bandwidth(group) == hw.intra_node_bandwidth and hw.gpus_per_node > 1 \
+        else "net:inter"
+
+
+class _Step:
+    """The tasks of one replayed step, built in issue order: the schedule's settings, the hooks that hang
+    activation and Ulysses work around the compute segments, then forward, backward and the optimizer steps."""
+
+    def __init__(self, plan: Plan, costs: GraphCosts, cost: CostModel, schedule: str, lanes: int,
+                 speculation: str):
+        self.costs, self.cost, self.speculation = costs, cost, speculation
+        self.baseline = schedule != "superoffload"
+        infinity = schedule == "zero-infinity"
+        dp, self.sp = parallel_degrees(plan)
+        self.world = dp * self.sp
+        self.b = _Builder(lanes)
+        self.adam_scale = (DEEPSPEED_ADAM_SCALE if self.baseline else 1.0) / lanes
+        self.buckets = plan.buckets
+        self.grad_size = plan_grad_dtype_bytes(plan)
+        self.flow = {bk.index for bk in self.buckets
+                     if infinity or (not self.baseline and bk.weight_mode == "flow")}
+        self.distance = {bk.index: (1 if self.baseline else max(1, bk.prefetch_distance)) for bk in self.buckets}
+        self.on_device = {bk.index for bk in self.buckets if not self.baseline and bk.optimizer_site == "device"}
+        self.choices = layer_choices(plan, costs)
+        self.layers = [lc for lc in costs.layers if self.choices.get(lc.name, "keep") != "keep"]
+        self.sp_lane, self.dp_lane = _net_lane(cost.hw, self.sp), _net_lane(cost.hw, self.world)
+        self.a2a = ulysses_bytes(costs, self.sp)
+        self.comm = {"ulysses": 0.0, "zero": 0.0}
+        self.hooks = {"fw": _PhaseHooks(), "bw": _PhaseHooks()}
+        self.seg_end: dict[tuple[str, int], int] = {}   # (phase, stop) -> the task of the segment ending there
+        self.fetched: dict[str, int] = {}       # layer -> the task bringing its saved tensors back
+        self.offload_out: dict[str, int] = {}   # layer -> the task copying its saved tensors out
+
+    def all_to_all(self, name: str, nbytes: float, deps) -> int:
+        self.comm["ulysses"] += nbytes
+        return self.b.add(name, self.sp_lane, self.cost.all_to_all_time(nbytes, self.sp), deps, "comm", nbytes)
+
+    # -- hooks around the compute segments (added in this order: it is the order they run in) --
+
+    def hook_ulysses(self) -> None:
+        """Around each attention: q, k, v (3/4 of the bytes) turn from sequence to head shards before it and the
+        output (1/4) turns back after it; backward mirrors that (d_out before, dq/dk/dv after)."""
+        if self.sp <= 1:
+            return
+        costs, a2a = self.costs, self.a2a
+        phases = (("fw", zip(costs.fw_attention, a2a), ("qkv", 0.75), ("out", 0.25)),
+                  ("bw", zip(costs.bw_attention, reversed(a2a)), ("dout", 0.25), ("dqkv", 0.75)))
+        for phase, by_pos, (pre, pre_share), (post, post_share) in phases:
+            hooks = self.hooks[phase]
+            for pos, nbytes in dict(by_pos).items():
+                hooks.cuts += [pos, pos + 1]
+                hooks.before.setdefault(pos, []).append(self._a2a_hook(f"{phase} a2a {pre} @{pos}", nbytes * pre_share))
+                hooks.after.setdefault(pos + 1, []).append(
+                    self._a2a_hook(f"{phase} a2a {post} @{pos}", nbytes * post_share))
+
+    def _a2a_hook(self, what: str, nbytes: float):
+        """A hook issuing one all-to-all after the task it is given."""
+        return lambda dep: [self.all_to_all(what, nbytes, [dep])]
+
+    def hook_offloads(self) -> None:
+        """An offloaded layer's saved tensors (a selective_offload one's checkpoints) go out after its forward and
+        come back before its backward, through a window of two layers."""
+        fw, bw = self.hooks["fw"], self.hooks["bw"]
+        offloaded = [lc for lc in self.layers if self.choices[lc.name] in OFFLOADED_CHOICES]
+        for j, lc in enumerate(offloaded):
+            fw.cuts += [lc.fw_span[0], lc.fw_span[1]]
+            bw.cuts += [lc.bw_span[0], lc.bw_span[1]]
+            fw.after.setdefault(lc.fw_span[1], []).append(lambda seg, lc=lc: self._copy_out(lc, seg))
+            if j >= 2:   # two layers in flight: the layer two offloads later waits for this copy
+                fw.before.setdefault(lc.fw_span[0], []).append(
+                    lambda prev, name=offloaded[j - 2].name: [self.offload_out.get(name)])
+            # the fetch waits until the buffer of the layer two places earlier in backward is free
+            gate = ("fw", -1) if j + 2 >= len(offloaded) else ("bw", offloaded[j + 2].bw_span[1])
+            bw.before.setdefault(lc.bw_span[0], []).append(lambda prev, lc=lc, gate=gate: self._fetch(lc, gate))
+
+    def _sent(self, lc) -> float:
+        """Bytes an offloaded layer moves each way: its saved tensors, or a selective one's checkpoints."""
+        return lc.saved if self.choices[lc.name] == "offload" else lc.boundary + lc.attention_saved
+
+    def _copy_out(self, lc, seg: int) -> list:
+        self.offload_out[lc.name] = self.b.add(f"act out {lc.name}", "d2h",
+                                               self.cost.transfer_time(self._sent(lc), "d2h"), [seg], "transfer",
+                                               self._sent(lc))
+        return []
+
+    def _fetch(self, lc, gate: tuple[str, int]) -> list:
+        self.fetched[lc.name] = self.b.add(f"act in {lc.name}", "h2d", self.cost.transfer_time(self._sent(lc), "h2d"),
+                                           [self.seg_end.get(gate), self.offload_out.get(lc.name)], "transfer",
+                                           self._sent(lc))
+        return [self.fetched[lc.name]]
+
+    def hook_recomputes(self) -> None:
+        """A recomputed (selective) layer runs its forward (less its attention) again just before its backward;
+        a selective_offload one after its checkpoints were fetched (its fetch hook runs first)."""
+        layer_a2a = self._layer_a2a()
+        bw = self.hooks["bw"]
+        for lc in self.layers:
+            if self.choices[lc.name] not in ("recompute", "selective", "selective_offload"):
+                continue
+            bw.cuts.append(lc.bw_span[0])
+            hooks = bw.before.setdefault(lc.bw_span[0], [])
+            again = lambda prev, lc=lc: self._recompute(lc, prev, layer_a2a.get(lc.name))  # noqa: E731
+            if self.choices[lc.name] == "selective_offload":
+                hooks.append(again)
+            else:
+                hooks.insert(0, again)
+
+    def _layer_a2a(self) -> dict[str, float]:
+        """Layer -> bytes of its forward all-to-alls (under Ulysses; a recompute runs them again)."""
+        if self.sp <= 1:
+            return {}
+        costs = self.costs
+        return {lc.name: sum(n for pos, n in zip(costs.fw_attention, self.a2a) if lc.fw_span[0] <= pos < lc.fw_span[1])
+                for lc in costs.layers}
+
+    def _recompute(self, lc, prev: int, a2a_bytes: float | None) -> list:
+        redo = recompute_time(lc, self.choices[lc.name])
+        # a selective_offload layer's recompute reads its fetched checkpoints (its fetch hook ran first)
+        rec = self.b.add(f"recompute {lc.name}", "gpu", redo, [prev, self.fetched.get(lc.name)], "compute")
+        if a2a_bytes:
+            rec = self.all_to_all(f"recompute a2a {lc.name}", a2a_bytes, [rec])
+        return [rec]
+
+    # -- forward and backward --
+
+    def phase(self, label: str, times: list[float], uses, extra_cuts: list[int], first_dep: int | None):
+        """The compute segments of one phase, with the weight prefetches of flow buckets and the hooks; returns
+        (segments, their task ids). Segments start at each flow bucket's first use and at every hook's cut."""
+        hooks = self.hooks[label]
+        flow_uses = self._flow_uses(uses)
+        segs = _segments(times, [u for u, _ in flow_uses] + extra_cuts + hooks.cuts)
+        seg_at = {s[0]: i for i, s in enumerate(segs)}
+        issue_at = self._issue_points(flow_uses, [s[0] for s in segs])
+        used_at: dict[int, list[int]] = {}
+        for j, (u, _) in enumerate(flow_uses):
+            used_at.setdefault(u, []).append(j)
+        seg_ids: list[int] = []
+        transfer_ids: dict[int, int] = {}
+        seg_task: dict[int, int] = {}
+        carry: list[int] = []
+        for i, (a, stop, secs) in enumerate(segs):
+            for j, gate in issue_at.get(i, ()):
+                dep = seg_task.get(seg_at[gate] - 1) if gate is not None and seg_at.get(gate, 0) > 0 else None
+                transfer_ids[j] = self._prefetch(label, flow_uses[j][1], dep)
+            needs = [transfer_ids[j] for j in used_at.get(a, ())]
+            prev = seg_task[i - 1] if i else first_dep
+            hooked: list[int] = []
+            for hook in hooks.before.get(a, ()):
+                hooked += [h for h in hook(prev) if h is not None]
+            deps = needs + ([prev] if prev is not None else []) + carry + hooked
+            seg_task[i] = self.b.add(f"{label} [{a}:{stop})", "gpu", secs, deps, "compute")
+            seg_ids.append(seg_task[i])
+            self.seg_end[(label, stop)] = seg_task[i]
+            carry = []
+            for hook in hooks.after.get(stop, ()):
+                carry += [h for h in hook(seg_task[i]) if h is not None]
+        if carry:   # a hook after the last segment (e.g. the last all-to-all): the phase ends with it
+            seg_ids.append(self.b.add(f"{label} end", "gpu", 0.0, [seg_ids[-1], *carry], "compute"))
+        return segs, seg_ids
+
+    def _flow_uses(self, uses) -> list[tuple[int, int]]:
+        """(first use, bucket index) of each flow bucket used in the phase, in order of use."""
+        def first_use(bk):
+            found = [uses[p][0] for p in bk.params if p in uses]
+            return min(found) if found else None
+        return sorted((u, bk.index) for bk in self.buckets if bk.index in self.flow
+                      for u in [first_use(bk)] if u is not None)
+
+    def _issue_points(self, flow_uses, starts: list[int]) -> dict[int, list[tuple[int, int | None]]]:
+        """Segment -> the flow transfers issued there, as (j, gate): transfer j is issued at the first segment
+        starting at or after its gate (the first use of the flow bucket ``distance`` places earlier: its buffer is
+        free then), in j order within a segment."""
+        issue_at: dict[int, list[tuple[int, int | None]]] = {}
+        for j, (u, idx) in enumerate(flow_uses):
+            gate = flow_uses[j - self.distance[idx]][0] if j - self.distance[idx] >= 0 else None
+            at = 0 if gate is None else bisect.bisect_left(starts, gate)
+            issue_at.setdefault(at, []).append((j, gate))
+        return issue_at
+
+    def _prefetch(self, label: str, idx: int, dep: int | None) -> int:
+        bk = self.buckets[idx]
+        return self.b.add(f"{label} prefetch b{idx}", "h2d", self.cost.transfer_time(bk.numel * 2, "h2d"), (dep,),
+                          "transfer", bk.numel * 2)
+
+    # -- the optimizer steps, after each bucket's gradients are ready --
+
+    def optimizer_steps(self, bw_segs, bw_ids: list[int], backward_last: int) -> None:
+        """Every CPU-stepped bucket in order (its gradients down, Adam, weights up), then the GPU-resident ones."""
+        bw_starts = [a for a, _, _ in bw_segs]
+
+        def ready_after(pos):   # the backward segment that produces position ``pos``
+            i = bisect.bisect_right(bw_starts, pos) - 1
+            if 0 <= i < len(bw_segs) and bw_segs[i][0] <= pos < bw_segs[i][1]:
+                return bw_ids[i]
+            return backward_last
+        for bk in self.buckets:
+            if bk.index not in self.on_device:
+                self._host_step(bk, ready_after(bk.ready_position), backward_last)
+        for bk in self.buckets:
+            if bk.index in self.on_device:
+                ready = self._zero_collective("reduce-scatter", bk, ready_after(bk.ready_position))
+                step = self.b.add(f"gpu adam b{bk.index}", "gpu", self.cost.gpu_adam_time(bk.numel / self.world),
+                                  [backward_last, ready], "adam")
+                self._zero_collective("all-gather", bk, step)
+
+    def _zero_collective(self, kind: str, bk, after: int) -> int:
+        """A ZeRO ring collective of one bucket (each rank sends (world - 1) / world of it), after ``after``."""
+        world = self.world
+        if world <= 1:
+            return after
+        nbytes = bk.numel * self.grad_size * (world - 1) / world
+        self.comm["zero"] += nbytes
+        return self.b.add(f"{kind} b{bk.index}", self.dp_lane, self.cost.ring_time(nbytes, world), [after], "comm",
+                          nbytes)
+
+    def _host_step(self, bk, produced: int, backward_last: int) -> None:
+        """One CPU-stepped bucket: its gradient shard reduced and copied down, Adam on it, the weights back up
+        (a flow bucket's host copy is streamed next step instead)."""
+        shard = bk.numel / self.world
+        down = self._grads_down(bk, shard, self._zero_collective("reduce-scatter", bk, produced))
+        adam = self._cpu_adam(bk, shard, down, backward_last)
+        if bk.index in self.flow:
+            self._zero_collective("all-gather", bk, adam)   # every rank's host copy gets the other shards
+            return
+        self._zero_collective("all-gather", bk, self._weights_up(bk, shard, adam))
+
+    def _grads_down(self, bk, shard: float, ready: int) -> int:
+        """The gradient shard to host memory. ZeRO-Offload (DeepSpeed stage 1/2 with offload_optimizer,
+        async_inplace_copy_grad_to_fp32_buffer_from_gpu): each gradient is cast to fp32 on the GPU and copied
+        into the fp32 host buffer as soon as it is reduced, during backward; the CPU Adam runs after backward."""
+        link_bytes = shard * (4 if self.baseline else dtype_bytes(bk.link_dtype))
+        deps = [ready]
+        if link_bytes > shard * self.grad_size:   # upcast on the GPU before the copy
+            deps = [self.b.add(f"upcast g b{bk.index}", "gpu_aux", self.cost.gpu_cast_time(shard, self.grad_size, 4),
+                               [ready], "cast")]
+        return self.b.add(f"grads b{bk.index}", "d2h", self.cost.transfer_time(link_bytes, "d2h"), deps, "transfer",
+                          link_bytes)
+
+    def _cpu_adam(self, bk, shard: float, down: int, backward_last: int) -> int:
+        """Adam on the shard, as the gradients arrive (speculation on) or after backward; the baseline unscales
+        first; speculation 'redo' steps again after backward."""
+        b, cost, baseline = self.b, self.cost, self.baseline
+        after = [down] + ([backward_last] if baseline or self.speculation == "off" else [])
+        if baseline:   # unscale_and_clip_grads: fp32 gradients read and written once, before the step
+            after = [b.add(f"unscale g b{bk.index}", "cpu", cost.cpu_cast_time(shard, 4, 4), after, "cast")]
+        grad_bytes = 4 if baseline else dtype_bytes(bk.link_dtype)
+        writes_copy = (not baseline) and (bk.cast_site == "cpu" or bk.index in self.flow)
+        adam = b.add(f"adam b{bk.index}", "cpu", cost.cpu_adam_time(shard, grad_bytes, writes_copy, self.adam_scale),
+                     after, "adam")
+        if not baseline and self.speculation == "redo":   # rolled back (free: ping-pong) and stepped again
+            adam = b.add(f"redo adam b{bk.index}", "cpu",
+                         cost.cpu_adam_time(shard, grad_bytes, writes_copy, self.adam_scale), [adam, backward_last],
+                         "adam")
+        return adam
+
+    def _weights_up(self, bk, shard: float, adam: int) -> int:
+        """The updated weights back to the device: cast to bf16 on the CPU (baseline: a pass of its own) or on
+        the GPU after an fp32 upload, where the plan put the cast."""
+        b, cost = self.b, self.cost
+        if self.baseline:
+            cast = b.add(f"cast p b{bk.index}", "cpu", cost.cpu_cast_time(shard), [adam], "cast")
+            return b.add(f"upload b{bk.index}", "h2d", cost.transfer_time(shard * 2, "h2d"), [cast], "transfer",
+                         shard * 2)
+        if bk.cast_site == "cpu":
+            return b.add(f"upload b{bk.index}", "h2d", cost.transfer_time(shard * 2, "h2d"), [adam], "transfer",
+                         shard * 2)
+        up = b.add(f"upload b{bk.index}", "h2d", cost.transfer_time(shard * 4, "h2d"), [adam], "transfer", shard * 4)
+        return b.add(f"cast p b{bk.index}", "gpu_aux", cost.gpu_cast_time(shard), [up], "cast")
+
+
 def simulate(plan: Plan, costs: GraphCosts, cost: CostModel, schedule: str = "superoffload",
              cpu_lanes: int | None = None, speculation: str = "on") -> SimResult:
     """Replay one step of ``plan`` (or the named baseline schedule on the plan's buckets).
@@ -106,236 +391,26 @@ def simulate(plan: Plan, costs: GraphCosts, cost: CostModel, schedule: str = "su
     if speculation not in ("on", "off", "redo"):
         raise ValueError(f"speculation must be 'on', 'off' or 'redo', got {speculation!r}")
     hw = cost.hw
-    baseline = schedule != "superoffload"
     # DeepSpeed's CPU passes (unscale, Adam, cast) each use every core, one after the other: one lane.
-    lanes = 1 if baseline else cpu_lanes or max(1, min(4, hw.host_cores // 16))
-    infinity = schedule == "zero-infinity"
+    lanes = 1 if schedule != "superoffload" else cpu_lanes or max(1, min(4, hw.host_cores // 16))
     if schedule not in ("superoffload", "zero-offload", "zero-infinity"):
         raise ValueError(f"unknown schedule {schedule!r}")
-    dp, sp = parallel_degrees(plan)
-    world = dp * sp
-    b = _Builder(lanes)
-    adam_scale = (DEEPSPEED_ADAM_SCALE if baseline else 1.0) / lanes
-    buckets = plan.buckets
-    grad_size = plan_grad_dtype_bytes(plan)
-    flow = {bk.index for bk in buckets if (infinity or (not baseline and bk.weight_mode == "flow"))}
-    distance = {bk.index: (1 if baseline else max(1, bk.prefetch_distance)) for bk in buckets}
-    on_device = {bk.index for bk in buckets if not baseline and bk.optimizer_site == "device"}
-    choices = layer_choices(plan, costs)
-    layers = [lc for lc in costs.layers if choices.get(lc.name, "keep") != "keep"]
-    sp_lane = "net:intra" if hw.group_bandwidth(sp) == hw.intra_node_bandwidth and hw.gpus_per_node > 1 \
-        else "net:inter"
-    dp_lane = "net:intra" if hw.group_bandwidth(world) == hw.intra_node_bandwidth and hw.gpus_per_node > 1 \
-        else "net:inter"
-    a2a = ulysses_bytes(costs, sp)
-    comm = {"ulysses": 0.0, "zero": 0.0}
-
-    def first_use(bk, uses):
-        found = [uses[p][0] for p in bk.params if p in uses]
-        return min(found) if found else None
-
-    def all_to_all(name, nbytes, deps):
-        comm["ulysses"] += nbytes
-        return b.add(name, sp_lane, cost.all_to_all_time(nbytes, sp), deps, "comm", nbytes)
-
-    # Hooks per phase: before[pos] -> callables(prev_segment) returning ids the segment at pos waits for;
-    # after[stop] -> callables(segment) returning ids the next segment waits for.
-    seg_end: dict[tuple[str, int], int] = {}
-    layer_index = {lc.name: i for i, lc in enumerate(costs.layers)}
-    offloaded = [lc for lc in layers if choices[lc.name] in ("offload", "selective_offload")]
-
-    def sent(lc):   # bytes an offloaded layer moves each way: its saved tensors, or a selective one's checkpoints
-        return lc.saved if choices[lc.name] == "offload" else lc.boundary + lc.attention_saved
-    fetched: dict[str, int] = {}
-    offload_out: dict[str, int] = {}
-    fw_before: dict[int, list] = {}
-    fw_after: dict[int, list] = {}
-    bw_before: dict[int, list] = {}
-    bw_after: dict[int, list] = {}
-    fw_cuts: list[int] = []
-    bw_cuts: list[int] = []
-    if sp > 1:
-        # Around each attention: q, k, v (3/4 of the bytes) turn from sequence to head shards before it and the
-        # output (1/4) turns back after it; backward mirrors that (d_out before, dq/dk/dv after).
-        phases = (("fw", zip(costs.fw_attention, a2a), fw_before, fw_after, fw_cuts, ("qkv", 0.75), ("out", 0.25)),
-                  ("bw", zip(costs.bw_attention, reversed(a2a)), bw_before, bw_after, bw_cuts, ("dout", 0.25),
-                   ("dqkv", 0.75)))
-        for phase, by_pos, before, after, cuts, (pre, pre_share), (post, post_share) in phases:
-            for pos, nbytes in dict(by_pos).items():
-                cuts += [pos, pos + 1]
-                before.setdefault(pos, []).append(
-                    lambda prev, n=nbytes * pre_share, what=f"{phase} a2a {pre} @{pos}": [all_to_all(what, n, [prev])])
-                after.setdefault(pos + 1, []).append(
-                    lambda seg, n=nbytes * post_share, what=f"{phase} a2a {post} @{pos}": [all_to_all(what, n, [seg])])
-    layer_a2a = {}
-    if sp > 1:
-        for lc in costs.layers:
-            layer_a2a[lc.name] = sum(n for pos, n in zip(costs.fw_attention, a2a) if lc.fw_span[0] <= pos < lc.fw_span[1])
-    for j, lc in enumerate(offloaded):
-        fw_cuts += [lc.fw_span[0], lc.fw_span[1]]
-        bw_cuts += [lc.bw_span[0], lc.bw_span[1]]
-
-        def out(seg, lc=lc):
-            offload_out[lc.name] = b.add(f"act out {lc.name}", "d2h", cost.transfer_time(sent(lc), "d2h"), [seg],
-                                         "transfer", sent(lc))
-            return []
-        fw_after.setdefault(lc.fw_span[1], []).append(out)
-        if j >= 2:   # two layers in flight: the layer two offloads later waits for this copy
-            fw_before.setdefault(lc.fw_span[0], []).append(
-                lambda prev, name=offloaded[j - 2].name: [offload_out.get(name)])
-
-        def fetch(prev, j=j, lc=lc):
-            gate = ("fw", -1) if j + 2 >= len(offloaded) else ("bw", offloaded[j + 2].bw_span[1])
-            fetched[lc.name] = b.add(f"act in {lc.name}", "h2d", cost.transfer_time(sent(lc), "h2d"),
-                                     [seg_end.get(gate), offload_out.get(lc.name)], "transfer", sent(lc))
-            return [fetched[lc.name]]
-        bw_before.setdefault(lc.bw_span[0], []).append(fetch)
-    for lc in layers:
-        if choices[lc.name] not in ("recompute", "selective", "selective_offload"):
-            continue
-        bw_cuts.append(lc.bw_span[0])
-
-        def again(prev, lc=lc):
-            redo = recompute_time(lc, choices[lc.name])
-            # a selective_offload layer's recompute reads its fetched checkpoints (its fetch hook ran first)
-            rec = b.add(f"recompute {lc.name}", "gpu", redo, [prev, fetched.get(lc.name)], "compute")
-            if layer_a2a.get(lc.name):
-                rec = all_to_all(f"recompute a2a {lc.name}", layer_a2a[lc.name], [rec])
-            return [rec]
-        hooks = bw_before.setdefault(lc.bw_span[0], [])
-        if choices[lc.name] == "selective_offload":
-            hooks.append(again)
-        else:
-            hooks.insert(0, again)
-    del layer_index
-
-    def phase(times, uses, extra_cuts, label, before, after):
-        flow_uses = sorted((u, bk.index) for bk in buckets if bk.index in flow
-                           for u in [first_use(bk, uses)] if u is not None)
-        cuts = [u for u, _ in flow_uses] + extra_cuts
-        segs = _segments(times, cuts)
-        seg_at = {s[0]: i for i, s in enumerate(segs)}
-        starts = [s[0] for s in segs]
-        # Flow transfer j is issued at the first segment starting at or after its gate (the first use of the
-        # flow bucket `distance` places earlier: its buffer is free then), in j order within a segment.
-        issue_at: dict[int, list[tuple[int, int | None]]] = {}
-        for j, (u, idx) in enumerate(flow_uses):
-            gate = flow_uses[j - distance[idx]][0] if j - distance[idx] >= 0 else None
-            at = 0 if gate is None else bisect.bisect_left(starts, gate)
-            issue_at.setdefault(at, []).append((j, gate))
-        used_at: dict[int, list[int]] = {}
-        for j, (u, _) in enumerate(flow_uses):
-            used_at.setdefault(u, []).append(j)
-        seg_ids: list[int] = []
-        transfer_ids: dict[int, int] = {}
-        seg_task: dict[int, int] = {}
-        carry: list[int] = []
-        for i, (a, stop, secs) in enumerate(segs):
-            for j, gate in issue_at.get(i, ()):
-                idx = flow_uses[j][1]
-                bk = buckets[idx]
-                dep = seg_task.get(seg_at[gate] - 1) if gate is not None and seg_at.get(gate, 0) > 0 else None
-                transfer_ids[j] = b.add(f"{label} prefetch b{idx}", "h2d",
-                                        cost.transfer_time(bk.numel * 2, "h2d"), (dep,), "transfer", bk.numel * 2)
-            needs = [transfer_ids[j] for j in used_at.get(a, ())]
-            prev = seg_task[i - 1] if i else (forward_last_box[0] if label == "bw" else None)
-            hooked: list[int] = []
-            for hook in before.get(a, ()):
-                hooked += [h for h in hook(prev) if h is not None]
-            deps = needs + ([prev] if prev is not None else []) + carry + hooked
-            seg_task[i] = b.add(f"{label} [{a}:{stop})", "gpu", secs, deps, "compute")
-            seg_ids.append(seg_task[i])
-            seg_end[(label, stop)] = seg_task[i]
-            carry = []
-            for hook in after.get(stop, ()):
-                carry += [h for h in hook(seg_task[i]) if h is not None]
-        if carry:   # a hook after the last segment (e.g. the last all-to-all): the phase ends with it
-            seg_ids.append(b.add(f"{label} end", "gpu", 0.0, [seg_ids[-1], *carry], "compute"))
-        return segs, seg_ids
-
-    forward_last_box = [None]
-    fw_segs, fw_ids = phase(costs.fw_times, costs.fw_uses, fw_cuts, "fw", fw_before, fw_after)
+    step = _Step(plan, costs, cost, schedule, lanes, speculation)
+    step.hook_ulysses()
+    step.hook_offloads()
+    step.hook_recomputes()
+    _, fw_ids = step.phase("fw", costs.fw_times, costs.fw_uses, [], None)
     forward_last = fw_ids[-1]
-    forward_last_box[0] = forward_last
-    seg_end[("fw", -1)] = forward_last
-    ready_cuts = [bk.ready_position + 1 for bk in buckets]
-    bw_segs, bw_ids = phase(costs.bw_times, costs.bw_uses, ready_cuts + bw_cuts, "bw", bw_before, bw_after)
+    step.seg_end[("fw", -1)] = forward_last
+    ready_cuts = [bk.ready_position + 1 for bk in plan.buckets]
+    bw_segs, bw_ids = step.phase("bw", costs.bw_times, costs.bw_uses, ready_cuts, forward_last)
     backward_last = bw_ids[-1]
-
-    bw_starts = [a for a, _, _ in bw_segs]
-
-    def seg_ending_after(pos):
-        i = bisect.bisect_right(bw_starts, pos) - 1
-        if 0 <= i < len(bw_segs) and bw_segs[i][0] <= pos < bw_segs[i][1]:
-            return bw_ids[i]
-        return backward_last
-
-    def zero_collective(kind, bk, after):
-        """A ZeRO ring collective of one bucket (each rank sends (world - 1) / world of it), after ``after``."""
-        if world <= 1:
-            return after
-        nbytes = bk.numel * grad_size * (world - 1) / world
-        comm["zero"] += nbytes
-        return b.add(f"{kind} b{bk.index}", dp_lane, cost.ring_time(nbytes, world), [after], "comm", nbytes)
-
-    def reduce_scatter(bk, ready):
-        return zero_collective("reduce-scatter", bk, ready)
-
-    def all_gather(bk, after):
-        return zero_collective("all-gather", bk, after)
-
-    native = grad_size
-    for bk in buckets:
-        if bk.index in on_device:
-            continue
-        shard = bk.numel / world
-        ready = reduce_scatter(bk, seg_ending_after(bk.ready_position))
-        # ZeRO-Offload (DeepSpeed stage 1/2 with offload_optimizer, async_inplace_copy_grad_to_fp32_buffer_
-        # from_gpu): each gradient is cast to fp32 on the GPU and copied into the fp32 host buffer as soon as it
-        # is reduced, during backward; the CPU Adam runs after backward.
-        link_bytes = shard * (4 if baseline else _dtype_bytes(bk.link_dtype))
-        deps = [ready]
-        if link_bytes > shard * native:   # upcast on the GPU before the copy
-            deps = [b.add(f"upcast g b{bk.index}", "gpu_aux", cost.gpu_cast_time(shard, native, 4), [ready],
-                          "cast")]
-        d2h = b.add(f"grads b{bk.index}", "d2h", cost.transfer_time(link_bytes, "d2h"), deps, "transfer", link_bytes)
-        after = [d2h] + ([backward_last] if baseline or speculation == "off" else [])
-        if baseline:   # unscale_and_clip_grads: fp32 gradients read and written once, before the step
-            after = [b.add(f"unscale g b{bk.index}", "cpu", cost.cpu_cast_time(shard, 4, 4), after, "cast")]
-        grad_bytes = 4 if baseline else _dtype_bytes(bk.link_dtype)
-        writes_copy = (not baseline) and (bk.cast_site == "cpu" or bk.index in flow)
-        adam = b.add(f"adam b{bk.index}", "cpu",
-                     cost.cpu_adam_time(shard, grad_bytes, writes_copy, adam_scale), after, "adam")
-        if not baseline and speculation == "redo":   # rolled back (free: ping-pong) and stepped again
-            adam = b.add(f"redo adam b{bk.index}", "cpu",
-                         cost.cpu_adam_time(shard, grad_bytes, writes_copy, adam_scale), [adam, backward_last],
-                         "adam")
-        if bk.index in flow:
-            all_gather(bk, adam)   # every rank's host copy gets the other shards; next step streams it
-            continue
-        if baseline:
-            cast = b.add(f"cast p b{bk.index}", "cpu", cost.cpu_cast_time(shard), [adam], "cast")
-            up = b.add(f"upload b{bk.index}", "h2d", cost.transfer_time(shard * 2, "h2d"), [cast], "transfer",
-                       shard * 2)
-        elif bk.cast_site == "cpu":
-            up = b.add(f"upload b{bk.index}", "h2d", cost.transfer_time(shard * 2, "h2d"), [adam], "transfer",
-                       shard * 2)
-        else:
-            up = b.add(f"upload b{bk.index}", "h2d", cost.transfer_time(shard * 4, "h2d"), [adam], "transfer",
-                       shard * 4)
-            up = b.add(f"cast p b{bk.index}", "gpu_aux", cost.gpu_cast_time(shard), [up], "cast")
-        all_gather(bk, up)
-    for bk in buckets:
-        if bk.index in on_device:
-            ready = reduce_scatter(bk, seg_ending_after(bk.ready_position))
-            step = b.add(f"gpu adam b{bk.index}", "gpu", cost.gpu_adam_time(bk.numel / world), [backward_last, ready],
-                         "adam")
-            all_gather(bk, step)
-    start, end = replay(b.tasks)
-    return SimResult(schedule=schedule, step_time=max(end), tasks=b.tasks, start=start, end=end,
-                     lane_of=[t.lane for t in b.tasks], model_flops=costs.fw_flops + costs.bw_flops,
+    step.optimizer_steps(bw_segs, bw_ids, backward_last)
+    start, end = replay(step.b.tasks)
+    return SimResult(schedule=schedule, step_time=max(end), tasks=step.b.tasks, start=start, end=end,
+                     lane_of=[t.lane for t in step.b.tasks], model_flops=costs.fw_flops + costs.bw_flops,
                      peak_flops=hw.device_bf16_flops, forward_end=end[forward_last], backward_end=end[backward_last],
-                     cpu_lanes=lanes, comm_bytes=tuple(sorted(comm.items())) if world > 1 else ())
+                     cpu_lanes=lanes, comm_bytes=tuple(sorted(step.comm.items())) if step.world > 1 else ())
 
 
 def recompute_time(lc, choice: str) -> float:
@@ -346,10 +421,6 @@ def recompute_time(lc, choice: str) -> float:
     if choice in ("selective", "selective_offload"):
         return max(0.0, lc.fw_time - lc.attention_time)
     return 0.0
-
-
-def _dtype_bytes(name: str) -> int:
-    return 2 if name in ("bfloat16", "float16") else 4
 
 
 def plan_grad_dtype_bytes(plan: Plan) -> int:

@@ -8,49 +8,35 @@ import dataclasses
 
 import sympy
 
+from ..dtypes import dtype_name
 from ..units import human_bytes
 from .memory import host_memory
 from .plan import ACTIVATION_CHOICES
-from .search_state import HOST_HEADROOM, PlanError, _compact_buckets, _Context, _device, _dtype_name
+from .search_state import HOST_HEADROOM, PlanError, _compact_buckets, _Context, _device
 
 X = "selective_offload"
 
 
-def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
-    """Per repeated layer: keep, recompute, selective, selective_offload or offload its saved activations (sets
-    ctx.choices, ctx.activations, ctx.offloaded_bytes; returns Plan.recompute).
+@dataclasses.dataclass(frozen=True)
+class _LayerCosts:
+    """Per layer name, the seconds each choice adds to the step (the policy's estimate), and the link times of
+    an offload (out, in, forward hiding it, backward hiding it) for the decision line."""
+    recompute: dict[str, float]
+    selective: dict[str, float]
+    offload: dict[str, float]
+    selective_offload: dict[str, float]
+    link: dict[str, tuple[float, float, float, float]]
 
-    Memory (per rank): activations = peak - sum(saved of non-kept layers) + sum(input of recomputed and
-    selective layers) + sum(attention outputs of selective layers) + the largest non-kept layer's saved tensors
-    (live while it is recomputed or used) + the largest offloaded layer's again (a window of two: one in use,
-    the next one in flight). Cost: recompute = the layer's forward (and its all-to-alls under Ulysses) again in
-    backward; selective = the same less its attention kernels (their outputs are kept: at long sequences
-    attention is most of a layer's forward and its outputs are about one layer input); offload = the link time
-    not hidden by the compute it overlaps (the next layer's forward for the copy out, the previous backward for
-    the copy in), host memory (pinned) for its saved tensors; selective_offload = selective + the offload cost
-    of its checkpoints (output and attention outputs) instead of its saved tensors. 'auto': for each number of
-    kept layers (the last ones: their backward comes first), the most offloads that fit where offload is cheaper
-    than recompute, then recomputed layers made selective while the device holds their attention outputs (most
-    time saved per byte first), then the layers still recomputed made selective_offload where host memory holds
-    their checkpoints (and back to selective where the device memory that frees allows); of these candidates
-    the one with the least recompute/offload time wins (ties: more layers kept)."""
-    costs, cost = ctx.costs, ctx.cost
-    layers = list(costs.layers)
-    forced = ctx.options.activations
-    if not layers:
-        if forced in ("recompute", "selective", X, "offload"):
-            decisions.append(f"activations: {forced} requested but the graph has no repeated layers; kept")
-        return "none"
-    # The least the rest of the plan can take: every bucket on the CPU, every bucket that can stream (uses in
-    # one interval, _compact_buckets) streamed at distance 1, in bf16.
-    compact = _compact_buckets(ctx, base)
-    reachable = [dataclasses.replace(b, weight_mode="flow", prefetch_distance=1, cast_site="cpu",
-                                     param_link_dtype=_dtype_name(ctx.weight_bytes)) if b.index in compact else b
-                 for b in base]
-    fixed = _device(ctx, reachable).device_peak - ctx.activations
-    available = ctx.budget - fixed
-    room = _host_room(ctx, base)
-    n = len(layers)
+    def seconds(self, choice: str, name: str) -> float:
+        return 0.0 if choice == "keep" else getattr(self, choice)[name]
+
+
+def _layer_costs(ctx: _Context, layers: list) -> _LayerCosts:
+    """Recompute = the layer's forward (and its all-to-alls under Ulysses) again in backward; selective = the
+    same less its attention kernels; offload = the link time not hidden by the compute it overlaps (the next
+    layer's forward for the copy out, its backward for the copy in); selective_offload = selective + the
+    offload cost of its checkpoints."""
+    costs, cost, n = ctx.costs, ctx.cost, len(layers)
     a2a = {}
     if ctx.sp > 1:
         from ..perf.simulate import ulysses_bytes
@@ -77,14 +63,135 @@ def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
         ck = _checkpoint_bytes(lc)
         ck_cost[lc.name] = sel_cost[lc.name] + max(0.0, float(cost.transfer_time(ck, "d2h")) - hide_fw) + \
             max(0.0, float(cost.transfer_time(ck, "h2d")) - hide_bw)
+    return _LayerCosts(rec_cost, sel_cost, off_cost, ck_cost, link)
 
-    def assign(n_keep: int, max_offload: int) -> dict[str, str]:
+
+def _activation_room(ctx: _Context, base) -> tuple[float, float]:
+    """(device bytes left for activations, host bytes left for offloaded ones) once the rest of the plan takes
+    the least it can: every bucket on the CPU, every bucket that can stream (uses in one interval,
+    _compact_buckets) streamed at distance 1, in bf16."""
+    compact = _compact_buckets(ctx, base)
+    reachable = [dataclasses.replace(b, weight_mode="flow", prefetch_distance=1, cast_site="cpu",
+                                     param_link_dtype=dtype_name(ctx.weight_bytes)) if b.index in compact else b
+                 for b in base]
+    fixed = _device(ctx, reachable).device_peak - ctx.activations
+    return ctx.budget - fixed, _host_room(ctx, base)
+
+
+def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
+    """Per repeated layer: keep, recompute, selective, selective_offload or offload its saved activations (sets
+    ctx.choices, ctx.activations, ctx.offloaded_bytes; returns Plan.recompute).
+
+    Memory (per rank): activations = peak - sum(saved of non-kept layers) + sum(input of recomputed and
+    selective layers) + sum(attention outputs of selective layers) + the largest non-kept layer's saved tensors
+    (live while it is recomputed or used) + the largest offloaded layer's again (a window of two: one in use,
+    the next one in flight). Cost: recompute = the layer's forward (and its all-to-alls under Ulysses) again in
+    backward; selective = the same less its attention kernels (their outputs are kept: at long sequences
+    attention is most of a layer's forward and its outputs are about one layer input); offload = the link time
+    not hidden by the compute it overlaps (the next layer's forward for the copy out, the previous backward for
+    the copy in), host memory (pinned) for its saved tensors; selective_offload = selective + the offload cost
+    of its checkpoints (output and attention outputs) instead of its saved tensors. 'auto': see _AutoSearch."""
+    layers = list(ctx.costs.layers)
+    forced = ctx.options.activations
+    if not layers:
+        if forced in ("recompute", "selective", X, "offload"):
+            decisions.append(f"activations: {forced} requested but the graph has no repeated layers; kept")
+        return "none"
+    available, room = _activation_room(ctx, base)
+    lcosts = _layer_costs(ctx, layers)
+    if ctx.pinned_choices is not None:
+        chosen, forced = _pinned_choices(ctx, layers), "pinned"
+    elif forced == "auto":
+        chosen = _auto_choices(ctx, layers, lcosts, available, room)
+    else:
+        chosen = _forced_choices(ctx, layers, forced, room)
+    act, expr, offloaded = _activation_bytes(ctx, chosen)
+    if all(c == "keep" for c in chosen.values()):
+        if forced == "keep":
+            decisions.append("activations: every layer keeps its activations (options.activations='keep')")
+        return "none"
+    ctx.activations, ctx.activations_expr, ctx.offloaded_bytes = act, expr, offloaded
+    ctx.choices = tuple((lc.name, chosen[lc.name]) for lc in layers)
+    decisions.append(_activation_line(ctx, layers, chosen, lcosts, available, room, forced))
+    return "layers"
+
+
+def _pinned_choices(ctx: _Context, layers: list) -> dict[str, str]:
+    """The caller's per-layer choices (unnamed layers keep), checked against the graph's layers."""
+    given = dict(ctx.pinned_choices)
+    unknown = sorted(set(given) - {lc.name for lc in layers})
+    bad = {k: v for k, v in given.items() if v not in ACTIVATION_CHOICES}
+    if unknown or bad:
+        raise PlanError(f"pinned activation choices name unknown layers {unknown} or choices {bad}; layers: "
+                        f"{_names_text([lc.name for lc in layers])}, choices {'/'.join(ACTIVATION_CHOICES)}")
+    return {lc.name: given.get(lc.name, "keep") for lc in layers}
+
+
+def _forced_choices(ctx: _Context, layers: list, forced: str, room: float) -> dict[str, str]:
+    """options.activations names one choice for every layer; an offload must fit host memory."""
+    if forced in ("offload", X):
+        need = sum(lc.saved if forced == "offload" else _checkpoint_bytes(lc) for lc in layers)
+        if need > room:
+            raise PlanError(f"activations={forced!r} needs {human_bytes(need)} of host memory for the saved "
+                            f"activations of {len(layers)} layers but only {human_bytes(room)} is left after the "
+                            f"optimizer state ({ctx.hw.name}, {HOST_HEADROOM:.0%} usable); use "
+                            f"activations='auto' (offloads what fits, recomputes the rest) or 'recompute'")
+    return {lc.name: forced for lc in layers}
+
+
+def _auto_choices(ctx: _Context, layers: list, lcosts: _LayerCosts, available: float, room: float) -> dict[str, str]:
+    """options.activations='auto': keep everything if it fits, else the cheapest candidate of _AutoSearch, unless
+    checkpointing saves nothing."""
+    chosen = {lc.name: "keep" for lc in layers}
+    if _activation_bytes(ctx, chosen)[0] > available:
+        chosen = _AutoSearch(ctx, layers, lcosts, available, room).cheapest()
+        if _activation_bytes(ctx, chosen)[0] >= ctx.costs.activation_peak:   # checkpointing saves nothing
+            chosen = {lc.name: "keep" for lc in layers}
+    return chosen
+
+
+class _AutoSearch:
+    """For each number of kept layers (the last ones: their backward comes first), the most offloads that fit
+    where offload is cheaper than recompute, then recomputed layers made selective while the device holds their
+    attention outputs (most time saved per byte first), then the layers still recomputed made selective_offload
+    where host memory holds their checkpoints (and back to selective where the device memory that frees allows);
+    of these candidates the one with the least recompute/offload time wins (ties: more layers kept)."""
+
+    def __init__(self, ctx: _Context, layers: list, lcosts: _LayerCosts, available: float, room: float):
+        self.ctx, self.layers, self.costs, self.available, self.room = ctx, layers, lcosts, available, room
+        self.max_offloads = sum(1 for _ in _prefix_within(sorted(lc.saved for lc in layers), room))
+
+    def cheapest(self) -> dict[str, str]:
+        """Most layers kept first; for each count, the most offloads that still fit (an offloaded layer frees its
+        input but the two-layer window costs device memory once, so fewer may fit better), then selective layers
+        in the room left. The cheapest candidate wins; stop once no fewer keeps can win."""
+        n = len(self.layers)
+        found, best = None, 0.0
+        for n_keep in range(n - 1, -1, -1):
+            if found is not None and self.lower_bound(n_keep) >= best:
+                break
+            for max_offload in range(n - n_keep, -1, -1):
+                trial = self.assign(n_keep, max_offload)
+                need = _activation_bytes(self.ctx, trial)[0]
+                if need <= self.available:
+                    trial = self.to_host(self.upgrade(trial, self.available - need))
+                    if found is None or self.spent(trial) < best:
+                        found, best = trial, self.spent(trial)
+                    break
+                if "offload" not in trial.values():
+                    break
+        return found or self.assign(0, 0)
+
+    def assign(self, n_keep: int, max_offload: int) -> dict[str, str]:
+        """The last ``n_keep`` layers kept; of the others, up to ``max_offload`` offloaded where that is cheaper
+        than recompute and host memory holds them (largest gain first), the rest recomputed."""
+        layers, rec_cost, off_cost, n = self.layers, self.costs.recompute, self.costs.offload, len(self.layers)
         choice = {lc.name: "keep" for lc in layers[n - n_keep:]}
         others = sorted(layers[:n - n_keep], key=lambda lc: (-(rec_cost[lc.name] - off_cost[lc.name]),
                                                              layers.index(lc)))
         used, count = 0.0, 0
         for lc in others:
-            if off_cost[lc.name] < rec_cost[lc.name] and used + lc.saved <= room and count < max_offload:
+            if off_cost[lc.name] < rec_cost[lc.name] and used + lc.saved <= self.room and count < max_offload:
                 choice[lc.name] = "offload"
                 used += lc.saved
                 count += 1
@@ -92,10 +199,11 @@ def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
                 choice[lc.name] = "recompute"
         return choice
 
-    def upgrade(choice: dict[str, str], headroom: float) -> dict[str, str]:
+    def upgrade(self, choice: dict[str, str], headroom: float) -> dict[str, str]:
         """Recomputed layers made selective, most time saved per byte kept first, while ``headroom`` (device
         bytes) holds their attention outputs (each adds exactly its attention outputs to both moments of
         _activation_bytes)."""
+        layers, rec_cost, sel_cost = self.layers, self.costs.recompute, self.costs.selective
         gain = {lc.name: rec_cost[lc.name] - sel_cost[lc.name] for lc in layers}
         candidates = sorted((lc for lc in layers if choice[lc.name] == "recompute" and gain[lc.name] > 0),
                             key=lambda lc: (-gain[lc.name] / max(lc.attention_saved, 1.0), layers.index(lc)))
@@ -106,97 +214,44 @@ def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
                 headroom -= lc.attention_saved
         return out
 
-    def to_host(choice: dict[str, str]) -> dict[str, str]:
+    def to_host(self, choice: dict[str, str]) -> dict[str, str]:
         """Layers still recomputed whole become selective_offload where that is cheaper and host memory holds
         their checkpoints (next to the offloaded layers'); then, where the device memory this frees holds them,
         selective again (the same time, no link traffic, no host memory). Unchanged if it would not fit."""
+        layers, rec_cost, sel_cost, ck_cost = (self.layers, self.costs.recompute, self.costs.selective,
+                                               self.costs.selective_offload)
         used = sum(lc.saved for lc in layers if choice[lc.name] == "offload")
         out = dict(choice)
         for lc in layers:
             if out[lc.name] == "recompute" and ck_cost[lc.name] < rec_cost[lc.name] and \
-                    used + _checkpoint_bytes(lc) <= room:
+                    used + _checkpoint_bytes(lc) <= self.room:
                 out[lc.name] = X
                 used += _checkpoint_bytes(lc)
         if out == choice:
             return choice
-        need = _activation_bytes(ctx, out)[0]
-        if need > available:
+        need = _activation_bytes(self.ctx, out)[0]
+        if need > self.available:
             return choice
         for lc in layers:
             if out[lc.name] == X and sel_cost[lc.name] <= ck_cost[lc.name]:
                 trial = {**out, lc.name: "selective"}
-                more = _activation_bytes(ctx, trial)[0]
-                if more > available:
+                more = _activation_bytes(self.ctx, trial)[0]
+                if more > self.available:
                     break
                 out = trial
         return out
 
-    def spent(choice: dict[str, str]) -> float:
+    def spent(self, choice: dict[str, str]) -> float:
         """Seconds the choice adds to the step (the policy's estimate)."""
-        per = {"keep": lambda name: 0.0, "recompute": rec_cost.__getitem__, "selective": sel_cost.__getitem__,
-               X: ck_cost.__getitem__, "offload": off_cost.__getitem__}
-        return sum(per[c](name) for name, c in choice.items())
+        return sum(self.costs.seconds(c, name) for name, c in choice.items())
 
-    max_offloads = sum(1 for _ in _prefix_within(sorted(lc.saved for lc in layers), room))
-
-    def lower_bound(n_keep: int) -> float:
+    def lower_bound(self, n_keep: int) -> float:
         """No choice with n_keep kept layers spends less: every other layer at its cheapest, offloads (the
         largest gains) limited by what host memory can hold. Grows as n_keep falls."""
-        cheap = [min(rec_cost[lc.name], sel_cost[lc.name]) for lc in layers[:n - n_keep]]
-        gains = sorted((max(0.0, c - off_cost[lc.name]) for c, lc in zip(cheap, layers)), reverse=True)
-        return sum(cheap) - sum(gains[:max_offloads])
-
-    if ctx.pinned_choices is not None:
-        given = dict(ctx.pinned_choices)
-        unknown = sorted(set(given) - {lc.name for lc in layers})
-        bad = {k: v for k, v in given.items() if v not in ACTIVATION_CHOICES}
-        if unknown or bad:
-            raise PlanError(f"pinned activation choices name unknown layers {unknown} or choices {bad}; layers: "
-                            f"{_names_text([lc.name for lc in layers])}, choices {'/'.join(ACTIVATION_CHOICES)}")
-        chosen = {lc.name: given.get(lc.name, "keep") for lc in layers}
-        forced = "pinned"
-    elif forced == "auto":
-        chosen = {lc.name: "keep" for lc in layers}
-        if _activation_bytes(ctx, chosen)[0] > available:
-            # Most layers kept first; for each count, the most offloads that still fit (an offloaded layer
-            # frees its input but the two-layer window costs device memory once, so fewer may fit better), then
-            # selective layers in the room left. The cheapest candidate wins; stop once no fewer keeps can win.
-            found, best = None, 0.0
-            for n_keep in range(n - 1, -1, -1):
-                if found is not None and lower_bound(n_keep) >= best:
-                    break
-                for max_offload in range(n - n_keep, -1, -1):
-                    trial = assign(n_keep, max_offload)
-                    need = _activation_bytes(ctx, trial)[0]
-                    if need <= available:
-                        trial = to_host(upgrade(trial, available - need))
-                        if found is None or spent(trial) < best:
-                            found, best = trial, spent(trial)
-                        break
-                    if "offload" not in trial.values():
-                        break
-            chosen = found or assign(0, 0)
-            if _activation_bytes(ctx, chosen)[0] >= costs.activation_peak:   # checkpointing saves nothing
-                chosen = {lc.name: "keep" for lc in layers}
-    else:
-        chosen = {lc.name: forced for lc in layers}
-        if forced in ("offload", X):
-            need = sum(lc.saved if forced == "offload" else _checkpoint_bytes(lc) for lc in layers)
-            if need > room:
-                raise PlanError(f"activations={forced!r} needs {human_bytes(need)} of host memory for the saved "
-                                f"activations of {n} layers but only {human_bytes(room)} is left after the "
-                                f"optimizer state ({ctx.hw.name}, {HOST_HEADROOM:.0%} usable); use "
-                                f"activations='auto' (offloads what fits, recomputes the rest) or 'recompute'")
-    act, expr, offloaded = _activation_bytes(ctx, chosen)
-    if all(c == "keep" for c in chosen.values()):
-        if forced == "keep":
-            decisions.append("activations: every layer keeps its activations (options.activations='keep')")
-        return "none"
-    ctx.activations, ctx.activations_expr, ctx.offloaded_bytes = act, expr, offloaded
-    ctx.choices = tuple((lc.name, chosen[lc.name]) for lc in layers)
-    decisions.append(_activation_line(ctx, layers, chosen, rec_cost, sel_cost, ck_cost, off_cost, link, available,
-                                      room, forced))
-    return "layers"
+        layers, rec_cost, sel_cost = self.layers, self.costs.recompute, self.costs.selective
+        cheap = [min(rec_cost[lc.name], sel_cost[lc.name]) for lc in layers[:len(layers) - n_keep]]
+        gains = sorted((max(0.0, c - self.costs.offload[lc.name]) for c, lc in zip(cheap, layers)), reverse=True)
+        return sum(cheap) - sum(gains[:self.max_offloads])
 
 
 def _checkpoint_bytes(lc) -> float:
@@ -296,8 +351,9 @@ def _names_text(names: list[str]) -> str:
     return f"{prefix}." + ",".join(runs)
 
 
-def _activation_line(ctx, layers, chosen, rec_cost, sel_cost, ck_cost, off_cost, link, available, room,
-                     forced) -> str:
+def _activation_line(ctx, layers, chosen, lcosts: _LayerCosts, available, room, forced) -> str:
+    rec_cost, sel_cost, ck_cost, off_cost = (lcosts.recompute, lcosts.selective, lcosts.selective_offload,
+                                             lcosts.offload)
     groups = {c: [lc for lc in layers if chosen[lc.name] == c]
               for c in ("keep", "offload", "selective", "selective_offload", "recompute")}
 
@@ -308,7 +364,7 @@ def _activation_line(ctx, layers, chosen, rec_cost, sel_cost, ck_cost, off_cost,
     parts = [f"keep {len(groups['keep'])} of {len(layers)} ({_names_text([lc.name for lc in groups['keep']])})"]
     if groups["offload"]:
         lc = max(groups["offload"], key=lambda x: x.saved)
-        out_t, in_t, hide_fw, hide_bw = link[lc.name]
+        out_t, in_t, hide_fw, hide_bw = lcosts.link[lc.name]
         parts.append(f"{head('offload')}: {human_bytes(lc.saved)} each way per layer, {out_t * 1e3:.1f} ms out "
                      f"under {hide_fw * 1e3:.1f} ms of forward, {in_t * 1e3:.1f} ms in under {hide_bw * 1e3:.1f} ms of "
                      f"backward: {off_cost[lc.name] * 1e3:.1f} ms exposed vs {rec_cost[lc.name] * 1e3:.1f} ms to "

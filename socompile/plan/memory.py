@@ -22,6 +22,7 @@ import dataclasses
 
 import sympy
 
+from ..dtypes import dtype_bytes
 from .bucketize import ALIGN
 from .plan import BucketPlan
 
@@ -36,10 +37,6 @@ class MemoryEstimate:
     host_parts: tuple[tuple[str, int], ...]
 
 
-def _bytes(dtype: str) -> int:
-    return 2 if dtype in ("bfloat16", "float16") else 4
-
-
 def device_memory(buckets: list[BucketPlan], weight_bytes: int, activations: float, activations_expr,
                   unoptimized_numel: int, adaptive_flow: set[int] | None = None, world: int = 1,
                   flow_at_least: int = 0) -> MemoryEstimate:
@@ -51,9 +48,9 @@ def device_memory(buckets: list[BucketPlan], weight_bytes: int, activations: flo
     gpu_state = sum(b.numel for b in buckets if b.optimizer_site == "device")
     cpu = [b for b in buckets if b.optimizer_site == "cpu"]
     flow = [b for b in buckets if b.weight_mode == "flow"]
-    staging = 2 * max((b.numel * max(weight_bytes, _bytes(b.link_dtype)) for b in cpu), default=0)
+    staging = 2 * max((b.numel * max(weight_bytes, dtype_bytes(b.link_dtype)) for b in cpu), default=0)
     flow_buffers = (max((b.prefetch_distance for b in flow), default=0) + 1) * max(
-        (b.numel * _bytes(b.param_link_dtype) for b in flow), default=0) if flow else 0
+        (b.numel * dtype_bytes(b.param_link_dtype) for b in flow), default=0) if flow else 0
     flow_buffers = max(flow_buffers, flow_at_least)
     upload = 2 * max((b.numel * 4 for b in cpu if b.weight_mode == "stationary" and b.cast_site == "device"
                       and weight_bytes == 2), default=0) // max(1, world)
@@ -83,7 +80,7 @@ def host_memory(buckets: list[BucketPlan], weight_bytes: int, world: int = 1, of
         state += 12 * shard
         if b.rollback == "exact":
             pingpong += 12 * shard
-        landing += shard * _bytes(b.link_dtype)
+        landing += shard * dtype_bytes(b.link_dtype)
         if weight_bytes == 2 and b.weight_mode == "flow":
             copies += 2 * b.numel
         elif weight_bytes == 2 and b.cast_site == "cpu":
@@ -105,7 +102,7 @@ def flow_buffer_peak(buckets, ir, align: int | None = None, spans_cache: dict | 
     if not flow:
         return 0
     align = ALIGN if align is None else align
-    nbytes = {b.index: padded_numel([ir.params[p].numel for p in b.params], align) * _bytes(b.param_link_dtype)
+    nbytes = {b.index: padded_numel([ir.params[p].numel for p in b.params], align) * dtype_bytes(b.param_link_dtype)
               for b in flow}
     return flow_peak(bucket_flow_schedule(buckets, ir, spans_cache), nbytes)[0]
 
@@ -134,7 +131,7 @@ def runtime_device_bytes(plan, ir, align: int | None = None) -> dict:
             if weight_bytes != 4:    # bf16/fp16 weights: a device copy cast from that master (runtime/flat_bucket.py)
                 stationary += n * weight_bytes
         if b.weight_mode == "flow":
-            flow_bytes[b.index] = n * _bytes(b.param_link_dtype)
+            flow_bytes[b.index] = n * dtype_bytes(b.param_link_dtype)
         elif b.optimizer_site != "device":
             stationary += n * weight_bytes   # a device-site bucket's weights are its fp32 master, counted above
     peak, per_phase = flow_peak(flow_schedule(plan, ir), flow_bytes)

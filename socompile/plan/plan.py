@@ -8,9 +8,8 @@ import dataclasses
 import json
 from typing import Any
 
-
-# Per-layer activation choices (Plan.activations; passes/activations.py applies them).
-ACTIVATION_CHOICES = ("keep", "recompute", "selective", "selective_offload", "offload")
+# Per-layer activation choices (Plan.activations; passes/activations.py applies them), defined with the option.
+from ..options import ACTIVATION_CHOICES, OFFLOADED_CHOICES  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)

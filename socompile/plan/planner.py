@@ -25,6 +25,7 @@ import dataclasses
 import gc
 
 from ..capture.ir import IR
+from ..dtypes import HALF, dtype_name
 from ..hardware.profiles import HardwareProfile
 from ..options import Options
 from ..perf.analysis import GraphCosts, analyze, layer_group
@@ -36,8 +37,7 @@ from .bucketize import FP32_BYTES, bucketize
 from .floor import bucket_size_candidates, bucket_size_line, bucket_text, infeasible_message
 from .memory import MemoryEstimate, host_memory, runtime_device_bytes
 from .plan import BucketPlan, Plan
-from .search_state import (HOST_HEADROOM, PlanError, _compact_buckets, _Context, _device,  # noqa: F401
-                           _dtype_name, _formula)
+from .search_state import HOST_HEADROOM, PlanError, _compact_buckets, _Context, _device, _formula  # noqa: F401
 
 MAX_PREFETCH = 8          # buffers beyond this cost memory and no longer hide anything on these profiles
 FULL_SEARCH = 48          # try every K up to this many buckets; beyond, a grid then a local refinement
@@ -106,7 +106,7 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
     costs = analyze(ir, cost, token_shard=sp)
     order = [name for name in ir.grad_order() if ir.params[name].optimized]
     optimized = [ir.params[n] for n in order]
-    weight_bytes = 2 if optimized and all(p.dtype in ("torch.bfloat16", "torch.float16") for p in optimized) else 4
+    weight_bytes = 2 if optimized and all(p.dtype.removeprefix("torch.") in HALF for p in optimized) else 4
     unoptimized = tuple(n for n in ir.grad_order() if not ir.params[n].optimized)
     in_buckets = set(order)
     unopt_numel = sum(p.numel for p in ir.params.values() if p.name not in in_buckets)
@@ -244,7 +244,7 @@ def _fitting_buckets(template: _Context, order: list[str], decisions: list[str])
 def _base_buckets(ir: IR, order: list[str], bucket_size: int, ctx: _Context, decisions: list[str]):
     groups = bucketize([(n, ir.params[n].numel) for n in order], bucket_size)
     hw, wb = ctx.hw, ctx.weight_bytes
-    grad_dtype = _dtype_name(wb)
+    grad_dtype = dtype_name(wb)
     if wb == 4:
         cast_site, param_dtype = "device", "float32"
         reason = "weights train in float32: no cast; gradients and weights cross as float32"
@@ -356,7 +356,7 @@ def _with_k(ctx: _Context, base, k: int, order_cache: dict):
 
 
 def _apply_flow(ctx: _Context, buckets, flow: set[int], dist: dict[int, int], distance: int = 1):
-    name = _dtype_name(ctx.weight_bytes)
+    name = dtype_name(ctx.weight_bytes)
     return [dataclasses.replace(b, weight_mode="flow", prefetch_distance=dist.get(b.index, distance), cast_site="cpu",
                                 param_link_dtype=name,
                                 cast_reason="weights flow from host memory as bf16: the CPU kernel writes the "

@@ -22,10 +22,6 @@ class PlanError(ValueError):
     """No plan fits; the message names the minimum memory and what to change."""
 
 
-def _dtype_name(nbytes: int) -> str:
-    return "bfloat16" if nbytes == 2 else "float32"
-
-
 @dataclasses.dataclass
 class _Context:
     ir: IR

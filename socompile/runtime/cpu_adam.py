@@ -13,11 +13,12 @@ import threading
 import torch
 
 from .flat_bucket import FlatBucket
-# The kernel's thread count is one process-wide setting (socompile_ext.set_num_threads). A bucket whose compiled
-# model pinned it (option optimizer_threads) sets it for its own kernel calls only; every kernel call holds this
-# lock, so no call (another model's, on another thread) runs with a count that is not its own.
-_KERNEL_THREADS_LOCK = threading.Lock()
 
+# The kernel's thread count is one process-wide setting (socompile_ext.KernelSettings). A bucket whose compiled
+# model pinned it (option optimizer_threads) sets it for its own kernel calls only; every kernel call holds this
+# lock, so no call (another model's, on another thread) runs with a count that is not its own. The lock guards
+# the C library's settings, which exist once per process, so it exists once per process too.
+_KERNEL_THREADS_LOCK = threading.Lock()
 
 
 def _kernel():
@@ -37,12 +38,8 @@ def _kernel_threads(kernel, bucket: FlatBucket):
         if bucket.kernel_threads is None:
             yield
             return
-        before = kernel.get_num_threads()
-        kernel.set_num_threads(bucket.kernel_threads)
-        try:
+        with kernel.kernel_settings(threads=bucket.kernel_threads):
             yield
-        finally:
-            kernel.set_num_threads(before)
 
 
 def _torch_ops(bucket: FlatBucket) -> bool:

@@ -262,18 +262,21 @@ class CUDARuntime(DeviceRuntime):
         self.api.current_stream().wait_event(event.event)
 
 
-_SHARED: dict[str, DeviceRuntime] = {}
-_SHARED_LOCK = threading.Lock()
+class Runtimes:
+    """One runtime per device, made on first use, for an owner that holds this object (socompile.AdamW: its
+    buckets on one device share the runtime, so its "h2d" and "d2h" streams are created once, not per
+    bucket)."""
 
+    def __init__(self):
+        self._by_device: dict[str, DeviceRuntime] = {}
+        self._lock = threading.Lock()
 
-def shared_runtime(device: str | torch.device) -> DeviceRuntime:
-    """One runtime per device for the whole process (the optimizer's buckets use it: its "h2d" and "d2h"
-    streams are created once, not per bucket)."""
-    key = str(torch.device(device)) if str(device) != "auto" else "auto"
-    with _SHARED_LOCK:
-        if key not in _SHARED:
-            _SHARED[key] = device_runtime(key)
-        return _SHARED[key]
+    def get(self, device: str | torch.device) -> DeviceRuntime:
+        key = str(torch.device(device)) if str(device) != "auto" else "auto"
+        with self._lock:
+            if key not in self._by_device:
+                self._by_device[key] = device_runtime(key)
+            return self._by_device[key]
 
 
 def device_runtime(device: str | torch.device = "auto") -> DeviceRuntime:

@@ -17,6 +17,7 @@ import weakref
 
 import torch
 
+from ..dtypes import TORCH_DTYPES
 from . import handles
 from .device import DeviceRuntime
 from .events import EventLog
@@ -24,7 +25,6 @@ from .memory import DeviceLedger
 
 FLOW = "weight-flow buffers"
 PHASE_NAMES = {"fw": "forward", "bw": "backward"}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class OffloadRuntime:
@@ -38,7 +38,7 @@ class OffloadRuntime:
         self._inflight: dict[tuple[str, int], tuple[torch.Tensor, object]] = {}
         self.fetched: list[weakref.ref] = []    # weak references to every buffer handed out (tests: none leak)
         self.fetch_counts: dict[tuple[str, int], int] = {}
-        self.link_dtype = {b.index: _DTYPES[b.param_link_dtype] for b in plan.buckets if b.weight_mode == "flow"}
+        self.link_dtype = {b.index: TORCH_DTYPES[b.param_link_dtype] for b in plan.buckets if b.weight_mode == "flow"}
         weight_bytes = plan.prediction("param_dtype_bytes", 4)
         for b, flat in zip(plan.buckets, buckets):
             # A separate host master (FlatBucket.mirror) gives the parameters their own flat device buffer:
