@@ -93,8 +93,8 @@ def _last_readers(anchor: fx.Node) -> list[fx.Node]:
 
 def _apply(gm: fx.GraphModule, plan, ctx, phase: str, pass_name: str) -> fx.GraphModule:
     # Graphs planned for reading only (offline plan/dump: no optimizer, no runtime) get no flow nodes.
-    schedule = (getattr(ctx, "flow_schedule", None) or {}).get(phase, [])
-    if not schedule or getattr(ctx, "offload", None) is None:
+    schedule = ctx.flow_schedule.get(phase, [])
+    if not schedule or ctx.offload is None:
         return gm
     runtime = ctx.offload
     build = _Builder(gm, pass_name)

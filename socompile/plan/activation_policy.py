@@ -37,6 +37,7 @@ def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
     costs, cost = ctx.costs, ctx.cost
     layers = list(costs.layers)
     forced = ctx.options.activations
+    pins = _option_pins(ctx, layers)
     if not layers:
         if forced in ("recompute", "selective", X, "offload"):
             decisions.append(f"activations: {forced} requested but the graph has no repeated layers; kept")
@@ -187,6 +188,7 @@ def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
                                 f"activations of {n} layers but only {human_bytes(room)} is left after the "
                                 f"optimizer state ({ctx.hw.name}, {HOST_HEADROOM:.0%} usable); use "
                                 f"activations='auto' (offloads what fits, recomputes the rest) or 'recompute'")
+    chosen.update(pins)
     act, expr, offloaded = _activation_bytes(ctx, chosen)
     if all(c == "keep" for c in chosen.values()):
         if forced == "keep":
@@ -275,6 +277,17 @@ def _host_room(ctx: _Context, base) -> float:
         need = host_memory([dataclasses.replace(b, rollback="inverse") for b in flows], ctx.weight_bytes,
                            ctx.world)[0]
     return max(0.0, limit - need)
+
+
+def _option_pins(ctx: _Context, layers) -> dict[str, str]:
+    """options.activation_layers (layer group -> choice), each name checked against the graph's repeated layers:
+    these layers take the given choice whatever the policy picks for the others."""
+    pins = ctx.options.activation_layers or {}
+    unknown = sorted(set(pins) - {lc.name for lc in layers})
+    if unknown:
+        raise PlanError(f"option activation_layers names {unknown}, which are not repeated layers of this graph; "
+                        f"its layers: {_names_text([lc.name for lc in layers])}")
+    return dict(pins)
 
 
 def _names_text(names: list[str]) -> str:
