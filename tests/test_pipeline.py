@@ -111,7 +111,8 @@ def test_pinned_layers_take_their_choice_and_the_others_the_planners():
     # 'keep' for every layer, then layers.1 pinned: only that one changes
     ctx = plan_model("tiny", batch=2, seq=64, run_passes=False,
                      options={"activations": "keep", "activation_layers": {"layers.1": "selective"}})
-    assert dict(ctx.plan.activations) == {"layers.0": "keep", "layers.1": "selective"}
+    assert dict(ctx.plan.activations) == {"layers.0": "keep", "layers.1": "selective", "layers.2": "keep",
+                                          "layers.3": "keep"}     # the tiny preset has 4 layers
 
 
 def test_the_activation_prefetch_distance_is_the_plans():
