@@ -50,14 +50,6 @@ class Offloaded:
     device: torch.device
 
 
-def _runtime(ctx):
-    """The activation-offload runtime that the pipeline bound for this compile (socompile/pipeline.py)."""
-    if ctx.activation_offload is None:
-        raise RuntimeError("socompile: the plan offloads activations but no activation-offload runtime was bound "
-                           "for this compile; the pipeline binds it with the buckets (a bug: please report it)")
-    return ctx.activation_offload
-
-
 def _repeated_layers(ctx, layers) -> list[str]:
     """Every repeated layer group of the compiled model (from its parameter names), ``layers`` included."""
     from ..plan.analysis import is_repeated_layer, layer_group
@@ -112,7 +104,7 @@ def activation_offload_forward(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
     if BW_NAME in ctx.options.disable_passes:
         log.warning("socompile: %s is disabled, so activations are not offloaded either", BW_NAME)
         return gm
-    rt = _runtime(ctx)
+    rt = ctx.activation_offload      # bound by the pipeline with the buckets when layers offload
     build = _Builder(gm, FW_NAME)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     outputs = list(output.args[0])
@@ -183,7 +175,7 @@ def activation_offload_backward(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule
     offloaded: dict[str, Offloaded] = ctx.activation_offloaded or {}
     if not offloaded:
         return gm
-    rt = _runtime(ctx)
+    rt = ctx.activation_offload      # bound by the pipeline with the buckets when layers offload
     build = _Builder(gm, BW_NAME)
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
