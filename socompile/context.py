@@ -1,6 +1,6 @@
 """What one compile made: options, IR, plan, the runtime binding, and the graph dumps. Passed explicitly;
 nothing of it is global. Every attribute the pipeline or a pass sets is a field below (socompile/pipeline.py
-says which step sets which)."""
+says which step sets which); the class has slots, so setting one that is not declared is an AttributeError."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,7 +18,7 @@ class GraphDump:
     graph_module: Any = None   # the rewritten GraphModule (for DOT drawings)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class CompileContext:
     options: Options
     # --- what was compiled (backend.py; offline.py for a traced model)

@@ -120,3 +120,11 @@ def test_the_activation_prefetch_distance_is_the_plans():
     plan = plan_model("tiny", batch=2, seq=64, run_passes=False).plan
     assert plan.activation_prefetch_ahead == ACTIVATION_PREFETCH_AHEAD == 1
     assert "activation_prefetch_ahead" not in plan.to_json()       # a planner constant, not a JSON field
+
+
+def test_the_compile_context_declares_every_attribute():
+    from socompile.context import CompileContext
+    ctx = CompileContext(options=Options())
+    assert ctx.activation_offload is None and ctx.flow_schedule == {} and ctx.activation_offloaded == {}
+    with pytest.raises(AttributeError):
+        ctx.repartition = object()     # undeclared (the joint graph is an argument of the pipeline, not state)
