@@ -21,7 +21,6 @@ import torch.nn.functional as F
 
 import socompile
 from socompile.models import build
-from socompile.passes import activations
 from socompile.runtime.activation_offload import IN_FLIGHT
 
 
@@ -35,9 +34,9 @@ def measure(choice: str, args) -> dict:
     model = build("tiny", n_layers=args.layers)
     opt = socompile.AdamW(model.parameters(), lr=1e-3, bucket_size="1MB")
     options = {"compute": args.compute, "gpu_buckets": 0, "bucket_size": "1MB"}
-    override = None
     if choice == "mix":
-        override = {f"layers.{i}": ("recompute" if i % 2 == 0 else "offload") for i in range(args.layers)}
+        options["activation_layers"] = {f"layers.{i}": ("recompute" if i % 2 == 0 else "offload")
+                                        for i in range(args.layers)}
     else:
         options["activations"] = choice
     backend = socompile.SuperOffload(options)
@@ -50,14 +49,10 @@ def measure(choice: str, args) -> dict:
         opt.step()
         opt.zero_grad()
 
-    if override is not None:
-        with activations.override(override):
-            step()
-    else:
-        step()
+    step()
     step()
     ctx = backend.compiled[0]
-    rt = getattr(ctx, "activation_offload", None)
+    rt = ctx.activation_offload
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = cmodel(x)

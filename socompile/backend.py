@@ -2,10 +2,10 @@
 
     torch.compile(model, backend="superoffload", options={...})
 
-Dynamo gives us the forward FX graph; AOTAutograd splits it into forward and backward graphs. When the
-backward graph is compiled (lazily, at the first ``.backward()``), we capture both graphs into the IR, plan,
-lay out the socompile optimizer's buckets to the plan, and run the passes that put the optimizer's work into
-the backward graph. The compute is then compiled by Inductor (default) or run by the FX interpreter.
+Dynamo gives us the forward FX graph; AOTAutograd splits it into forward and backward graphs. This module is
+the Dynamo / AOTAutograd glue: at partition time it hands both graphs (and the joint graph, for recompute) to
+the compile pipeline (socompile/pipeline.py: capture, plan once, layouts, passes, checks, dumps). The compute
+is then compiled by Inductor (default) or run by the FX interpreter.
 
 NOTE: this module is what the ``torch_dynamo_backends`` entry point loads: keep its imports cheap.
 """
@@ -21,7 +21,7 @@ from torch import fx
 from . import errors
 from .context import CompileContext
 from .errors import OffloadError
-from .logs import artifact, register_with_torch, timed
+from .logs import register_with_torch
 from .options import Options
 
 log = logging.getLogger("socompile")
@@ -226,8 +226,8 @@ def _compile(gm: fx.GraphModule, example_inputs: list, ctx: CompileContext):
 
         def partition(joint, joint_inputs, **kwargs):
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-            ctx.repartition = _repartition(min_cut_rematerialization_partition, joint, joint_inputs, kwargs)
-            return _apply_plan(ctx, fw, bw)
+            return _run_pipeline(ctx, fw, bw, _repartition(min_cut_rematerialization_partition, joint,
+                                                           joint_inputs, kwargs))
 
         return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partition)(gm, example_inputs)
 
@@ -241,8 +241,8 @@ def _partitioner(ctx: CompileContext):
     class SuperOffloadPartitioner(CustomPartitionerFn):
         def __call__(self, joint, joint_inputs, **kwargs):
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-            ctx.repartition = _repartition(min_cut_rematerialization_partition, joint, joint_inputs, kwargs)
-            return _apply_plan(ctx, fw, bw)
+            return _run_pipeline(ctx, fw, bw, _repartition(min_cut_rematerialization_partition, joint,
+                                                           joint_inputs, kwargs))
 
         def uuid(self):
             # Inductor's FX graph cache keys on the graphs *after* our passes (runtime handles included), so
@@ -260,7 +260,8 @@ _PARTITIONER_ID = "socompile.backend.SuperOffloadPartitioner/1"
 
 
 def _repartition(partition_fn, joint, joint_inputs, kwargs):
-    """The same partitioner on the same joint graph, for activation recompute (passes/activations.py)."""
+    """The same partitioner on the same joint graph, for activation recompute (the pipeline's activation
+    layout; passes/activations.py)."""
     from .passes.activations import Repartition
     return Repartition(partition_fn, joint, joint_inputs, kwargs)
 
@@ -269,91 +270,7 @@ def _partitioner_id() -> str:
     return _PARTITIONER_ID
 
 
-def _apply_plan(ctx: CompileContext, fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[fx.GraphModule, fx.GraphModule]:
-    from . import passes
-    from .capture import build_ir, describe
-    from .plan import get_profile, plan
-
-    ctx.forward_graph, ctx.backward_graph = fw, bw
-    if not ctx.param_names:   # a parameter-free piece of a split region: nothing to plan
-        return fw, bw
-    with timed("capture"):
-        infos = [describe(i, name, ctx.param_objects[i], optimized=ctx.optimizer is not None)
-                 for i, name in ctx.param_names.items()]
-        ctx.ir = build_ir(fw, bw, infos)
-    with timed("plan"):
-        ctx.plan = plan(ctx.ir, get_profile(ctx.options.target), ctx.options)
-    # --- activations (passes/activations.py): layers planned "recompute" are tagged in the joint graph, which
-    # is partitioned again (new IR, plan made again with the same per-layer choices pinned) ---
-    with timed("activations"):
-        fw, bw = passes.activations.repartition(ctx, fw, bw)
-    # ---
-    _emit_plan(ctx)
-    _run_compile_hooks(ctx)   # e.g. ranks must have planned alike (distributed runs), optimizer or not
-    if ctx.optimizer is not None and ctx.plan.buckets:
-        from torch.utils._python_dispatch import _disable_current_modes
-        by_name = {name: ctx.param_objects[i] for i, name in ctx.param_names.items()}
-        # The partitioner runs under AOTAutograd's fake mode, but the buckets and runtime buffers are real memory
-        # and passes may talk to other ranks: run them with no mode active (passes enter the fake mode themselves
-        # to give new nodes their fake values).
-        with _disable_current_modes():
-            # On a CPU-only machine the "device" is the CPU: device-site buckets use the same kernel, but (as on
-            # a GPU) only after validation, in opt.step(); CPU-site buckets are stepped as their gradients arrive.
-            claim = ctx.optimizer.claim([[by_name[n] for n in b.params] for b in ctx.plan.buckets],
-                                        early_step=[b.optimizer_site == "cpu" and ctx.options.speculate
-                                                    for b in ctx.plan.buckets],
-                                        rollback=["inverse" if b.rollback == "inverse" else "pingpong"
-                                                  for b in ctx.plan.buckets],
-                                        sites=[b.optimizer_site for b in ctx.plan.buckets],
-                                        weight_modes=[b.weight_mode for b in ctx.plan.buckets],
-                                        origin=ctx.origin)
-            ctx.claim_handle = claim.handle
-            for bucket in claim.buckets:   # option optimizer_threads: the CPU kernel's threads for these buckets
-                bucket.kernel_threads = ctx.options.optimizer_threads
-            _bind_runtime(ctx, claim)
-            with timed("passes"):
-                fw = passes.run_passes(fw, "fw", ctx.plan, ctx)
-                bw = passes.run_passes(bw, "bw", ctx.plan, ctx)
-        ctx.forward_graph, ctx.backward_graph = fw, bw   # checked by run_passes (passes/check.py)
-        _emit_pass_graphs(ctx)
-    if ctx.options.dump_dir:
-        from .report.dump import write_dumps
-        write_dumps(ctx, ctx.options.dump_dir)
-    log.info("socompile: planned %d bucket(s) for target %s", len(ctx.plan.buckets), ctx.plan.target)
-    return fw, bw
-
-
-def _bind_runtime(ctx: CompileContext, claim) -> None:
-    """The offload runtime of this graph pair (device buffers, flow fetches, memory ledger). The optimizer's
-    claim keeps it alive as long as the buckets it serves; graphs reach it by handle."""
-    from .plan.flow_schedule import flow_schedule
-    from .runtime.device import device_runtime
-    from .runtime.offload import OffloadRuntime
-
-    device = ctx.param_objects[next(iter(ctx.param_objects))].device
-    ctx.offload = OffloadRuntime(ctx.plan, claim.buckets, device_runtime(device), events=ctx.optimizer.events)
-    claim.offload_runtimes = [*getattr(claim, "offload_runtimes", []), ctx.offload]
-    ctx.flow_schedule = flow_schedule(ctx.plan, ctx.ir)
-
-
-def _run_compile_hooks(ctx: CompileContext) -> None:
-    """The compile hooks of passes/table.py (HOOKS), once the plan is made. With no mode active: the cross-rank
-    plan check talks to the other ranks with real tensors."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    from .passes import run_hooks
-    with _disable_current_modes():
-        run_hooks(ctx)
-
-
-def _emit_plan(ctx: CompileContext) -> None:
-    """The plan as tlparse artifacts (TORCH_TRACE=<dir>): JSON and the text table."""
-    from .report.table import plan_json, plan_table
-    artifact("socompile_plan", lambda: plan_json(ctx.plan), encoding="json")
-    artifact("socompile_plan_table", lambda: plan_table(ctx.plan))
-
-
-def _emit_pass_graphs(ctx: CompileContext) -> None:
-    for dump in ctx.dumps:
-        artifact(f"socompile_pass_{dump.pass_name}_before", lambda d=dump: d.before)
-        artifact(f"socompile_pass_{dump.pass_name}_after", lambda d=dump: d.after)
+def _run_pipeline(ctx: CompileContext, fw: fx.GraphModule, bw: fx.GraphModule, joint):
+    """From the partitioner hook into the one compile pipeline (socompile/pipeline.py): plan, lay out, rewrite."""
+    from .pipeline import compile_partitioned
+    return compile_partitioned(ctx, fw, bw, joint)

@@ -1,4 +1,5 @@
-"""Plan and dump without training: trace a model (under FakeTensorMode by default), plan, apply the passes.
+"""Plan and dump without training: trace a model (under FakeTensorMode by default), then run the compile pipeline
+(socompile/pipeline.py: plan, apply the passes) on the traced graphs.
 
     ctx = socompile.offline.plan_model("llama-13b", batch=4, seq=4096, options={"target": "gh200"})
     print(socompile.report.plan_table(ctx.plan))
@@ -39,10 +40,8 @@ def plan_model(model: str | Callable[[], torch.nn.Module], batch: int = 4, seq: 
     fold: trace 4 of a deep model's identical blocks and repeat one in the graphs (capture/fold.py); the plan is
     the same as with every block traced, several times sooner. False traces every block.
     """
-    from . import passes
-    from .capture.ir import build_ir
     from .capture.trace import trace_training_graphs
-    from .plan import get_profile, plan
+    from .pipeline import plan_traced
 
     opts = Options.resolve(options)
     factory = resolve_model_factory(model)
@@ -79,11 +78,5 @@ def plan_model(model: str | Callable[[], torch.nn.Module], batch: int = 4, seq: 
         targets = torch.zeros_like(tokens) if symbolic else torch.randint(0, vocab, (batch, seq))
         fw, bw, infos = trace_training_graphs(net, (tokens,), (targets,), fold=fold)
     ctx = CompileContext(options=opts)
-    ctx.forward_graph, ctx.backward_graph = fw, bw
-    ctx.param_names = {p.input_index: p.name for p in infos}
-    ctx.ir = build_ir(fw, bw, infos)
-    ctx.ir.symbol_names = symbol_names
-    ctx.plan = plan(ctx.ir, get_profile(opts.target), opts)
-    if run_passes:
-        passes.run_passes(bw, "bw", ctx.plan, ctx)   # claim -1: the graph is for reading, not for running
+    plan_traced(ctx, fw, bw, infos, symbol_names, run_passes)   # claim -1: the graphs are for reading
     return ctx

@@ -112,6 +112,12 @@ class Options:
     layer's input and its attention outputs, recompute the rest: no attention kernel runs twice),
     'selective_offload' (selective, with those checkpoints in host memory between forward and backward) or
     'offload' (saved tensors move to host memory in forward and back in backward), for every repeated layer."""
+    activation_layers: dict[str, str] | None = None
+    """Pin some repeated layers' activation choice by hand (experiments, tests): layer group -> 'keep',
+    'recompute', 'selective', 'selective_offload' or 'offload', e.g. {'layers.0': 'recompute', 'layers.1':
+    'offload'}; the layers not named get the planner's choice (as ``activations`` decides), and the rest of the
+    plan is made for the mix. A name that is no repeated layer of the graph is an error when it is planned.
+    Environment: SOCOMPILE_ACTIVATION_LAYERS=layers.0=recompute,layers.1=offload."""
     dp_degree: int = 1
     """Data-parallel degree the plan is made for: ZeRO shards optimizer state and fp32 masters over dp x sp
     ranks, gradients are reduce-scattered and updated weights all-gathered per bucket. Each rank traces its own
@@ -154,6 +160,8 @@ class Options:
         if self.activations not in ("auto", *ACTIVATION_CHOICES):
             *most, last = map(repr, ("auto", *ACTIVATION_CHOICES))
             raise OptionError(f"activations must be {', '.join(most)} or {last}, got {self.activations!r}")
+        if self.activation_layers is not None:
+            object.__setattr__(self, "activation_layers", _checked_layer_choices(self.activation_layers))
         if self.dp_degree < 1 or self.sp_degree < 1:
             raise OptionError(f"dp_degree and sp_degree must be >= 1, got {self.dp_degree} and {self.sp_degree}")
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
@@ -177,6 +185,29 @@ class Options:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _checked_layer_choices(pins: dict[str, str]) -> dict[str, str]:
+    """A copy of option activation_layers, each layer name a string and each choice one of the allowed ones."""
+    allowed = ", ".join(repr(c) for c in ACTIVATION_CHOICES)
+    for layer, choice in pins.items():
+        if not isinstance(layer, str) or not layer:
+            raise OptionError(f"activation_layers: layer names are layer groups such as 'layers.0', got {layer!r}")
+        if choice not in ACTIVATION_CHOICES:
+            raise OptionError(f"activation_layers: layer {layer!r} has choice {choice!r}; allowed: {allowed}")
+    return dict(pins)
+
+
+def _layer_choices_from_env(name: str, raw: str) -> dict[str, str]:
+    """'layers.0=recompute,layers.1=offload' -> {'layers.0': 'recompute', 'layers.1': 'offload'}."""
+    out: dict[str, str] = {}
+    for item in (s.strip() for s in raw.split(",") if s.strip()):
+        layer, sep, choice = item.partition("=")
+        if not sep:
+            raise OptionError(f"SOCOMPILE_{name.upper()}: cannot read {item!r}; write layer=choice pairs separated "
+                              f"by commas, e.g. layers.0=recompute,layers.1=offload")
+        out[layer.strip()] = choice.strip()
+    return out
 
 
 def _check_name(name: str, shown: str, prefix: str = "") -> None:
@@ -218,6 +249,8 @@ def _coerce_env(name: str, raw: str, hint: Any) -> Any:
         raise OptionError(f"SOCOMPILE_{name.upper()} must be true/false, got {raw!r}")
     if typing.get_origin(hint) is tuple:
         return tuple(s.strip() for s in raw.split(",") if s.strip())
+    if any(typing.get_origin(a) is dict for a in args):
+        return _layer_choices_from_env(name, raw)
     if int in args or hint is int:
         try:
             return int(raw)

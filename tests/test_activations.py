@@ -36,8 +36,7 @@ def _model():
 def _train(choice: str, compute: str = "eager", steps: int = STEPS):
     options = {"bucket_size": "256KB", "compute": compute}
     if choice == "mix":
-        with activations.override(MIX):
-            return run_pair(_model, steps=steps, options=options)
+        return run_pair(_model, steps=steps, options={**options, "activation_layers": MIX})
     return run_pair(_model, steps=steps, options={**options, "activations": choice})
 
 
@@ -173,11 +172,10 @@ def test_rewritten_graphs_pass_the_invariant_checkers_with_weight_flow_and_the_c
     model = _model()
     opt = socompile.AdamW(model.parameters(), lr=1e-3, bucket_size="256KB")
     backend = socompile.SuperOffload(compute="eager", gpu_buckets=0, bucket_size="256KB", weight_mode="flow",
-                                     prefetch_distance=1)
+                                     prefetch_distance=1, activation_layers=MIX)
     cmodel = torch.compile(model, backend=backend)
     x, y = batches(1)[0]
-    with activations.override(MIX):
-        lm_loss(cmodel(x), y).backward()
+    lm_loss(cmodel(x), y).backward()
     ctx = backend.compiled[0]
     assert any(b.weight_mode == "flow" for b in ctx.plan.buckets)
     assert graph_problems(ctx, ctx.forward_graph, ctx.backward_graph) == []   # flow and offload alike
@@ -192,10 +190,9 @@ def test_rewritten_graphs_pass_the_invariant_checkers_with_weight_flow_and_the_c
 
 
 def test_dumps_show_the_new_ops_and_the_recompute_partition(tmp_path):
-    model, opt, backend, cmodel = _compiled("keep", dump_dir=str(tmp_path))
+    model, opt, backend, cmodel = _compiled("keep", dump_dir=str(tmp_path), activation_layers=MIX)
     x, y = batches(1)[0]
-    with activations.override(MIX):
-        lm_loss(cmodel(x), y).backward()
+    lm_loss(cmodel(x), y).backward()
     files = {p.name: p.read_text() for p in tmp_path.glob("*.py")}
     fw = next(t for n, t in files.items() if n.endswith("activation_offload_forward_after.py"))
     bw = next(t for n, t in files.items() if n.endswith("activation_offload_backward_after.py"))

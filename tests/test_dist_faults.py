@@ -129,7 +129,7 @@ def _relayout_under_python_dispatcher(args: dict) -> dict:
         bucket.exp_avg.copy_(torch.arange(lo, lo + bucket.exp_avg.numel(), dtype=torch.float32))
         bucket.exp_avg_sq.copy_(-bucket.exp_avg)
         buckets.append(bucket)
-    with enable_python_dispatcher():   # where a compile's claim re-lays out buckets (backend._apply_plan)
+    with enable_python_dispatcher():   # where a compile's claim re-lays out buckets (pipeline.lay_out_buckets)
         sharding.unshard_state(buckets)
     whole = all(torch.equal(b.exp_avg, torch.arange(b.numel, dtype=torch.float32))
                 and torch.equal(b.exp_avg_sq, -b.exp_avg) for b in buckets)

@@ -207,7 +207,7 @@ def test_ranks_with_different_optimizer_bucket_size_fail_in_shard_optimizer_nami
 
 @pytest.mark.parametrize("optimizer", [True, False], ids=["socompile-optimizer", "no-socompile-optimizer"])
 def test_ranks_compiled_with_different_options_fail_at_compile_time_naming_the_option(optimizer):
-    # Without a socompile optimizer no pass runs; backend._apply_plan runs the check itself.
+    # Without a socompile optimizer no pass runs; the pipeline (pipeline.compile_partitioned) runs the check itself.
     results = run_local(f"{HERE}:_mismatch_worker", 2, {"optimizer": optimizer}, timeout_s=120)
     for r in results:
         assert r.returncode == 0, f"rank {r.rank}:\n{r.output[-3000:]}"

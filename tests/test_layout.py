@@ -21,17 +21,6 @@ import pytest
 
 SOURCE = pathlib.Path(__file__).resolve().parent.parent / "socompile"
 
-# Known violations that other branches of issue 15 remove: import edges that close a circle, and `global`
-# statements as (module, name).
-# fixed by the pipeline/passes branches; the coordinator empties this list at merge
-KNOWN_UNTIL_MERGE = {
-    "import edges": {
-    },
-    "globals": {
-        ("socompile.passes.activations", "_override"),
-    },
-}
-
 # What plan/, perf/ and hardware/ must not reach (the layers that use them).
 UPPER_LAYERS = ("socompile.passes", "socompile.runtime", "socompile.backend", "socompile.cli", "socompile.offline",
                 "socompile.pipeline")
@@ -191,12 +180,12 @@ def graph():
 
 
 def test_no_import_circles_between_socompile_modules(graph):
-    cycle = find_cycle(runtime_graph(graph, KNOWN_UNTIL_MERGE["import edges"]))
+    cycle = find_cycle(runtime_graph(graph, set()))
     assert cycle is None, f"import circle: {describe_chain(cycle)}"
 
 
 def test_no_global_statement_in_socompile():
-    found = [g for g in global_statements(SOURCE) if g[:2] not in KNOWN_UNTIL_MERGE["globals"]]
+    found = global_statements(SOURCE)
     assert not found, "module-level mutable state through `global`: " + ", ".join(
         f"{name} in {where}" for _, name, where in found)
 
@@ -206,16 +195,8 @@ def test_lower_packages_import_nothing_from_the_layers_above(graph, package):
     members = [m for m in graph if m == package or m.startswith(package + ".")]
     assert members, f"{package} holds no modules: the layout changed, update LOWER_PACKAGES"
     for module in members:
-        chain = path_to_layer(graph, module, UPPER_LAYERS, KNOWN_UNTIL_MERGE["import edges"])
+        chain = path_to_layer(graph, module, UPPER_LAYERS, set())
         assert chain is None, f"{module} reaches an upper layer: {describe_chain(chain)}"
-
-
-def test_every_allow_listed_item_still_occurs(graph):
-    """The allow-list holds exactly today's known items: one that no longer occurs must be deleted from it."""
-    stale_edges = [e for e in KNOWN_UNTIL_MERGE["import edges"] if e[1] not in graph.get(e[0], {})]
-    present = {g[:2] for g in global_statements(SOURCE)}
-    stale_globals = [g for g in KNOWN_UNTIL_MERGE["globals"] if g not in present]
-    assert not stale_edges and not stale_globals, f"remove from KNOWN_UNTIL_MERGE: {stale_edges + stale_globals}"
 
 
 def _write(root: pathlib.Path, files: dict[str, str]) -> pathlib.Path:

@@ -1,7 +1,8 @@
 """Activation offload: the two passes that move offloaded layers' saved tensors to host memory in forward
 and back in backward (check.py holds what they write to its invariants). Separate from activations.py (which
 tags layers for recompute in the joint graph, before partitioning) because these run later, as passes of the
-table (table.py), on the partitioned graphs, with a runtime of their own (runtime/activation_offload.py).
+table (table.py), on the partitioned graphs, with a runtime of their own (runtime/activation_offload.py, bound
+by socompile/pipeline.py with the buckets).
 
 **offload** is applied by two passes on the partitioned graphs::
 
@@ -40,7 +41,6 @@ log = logging.getLogger("socompile")
 
 FW_NAME = "activation_offload_forward"
 BW_NAME = "activation_offload_backward"
-PREFETCH_AHEAD = 1                         # offloaded layers fetched ahead of the one the backward is in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,21 +60,10 @@ class OffloadedActivations:
         return dict(self.tensors)
 
 
-def _runtime(ctx):
-    rt = getattr(ctx, "activation_offload", None)
-    if rt is None:
-        from ..runtime.activation_offload import ActivationOffloadRuntime
-        weights = ctx.offload
-        rt = ActivationOffloadRuntime(weights.device, ledger=weights.ledger, events=weights.events)
-        weights.activations = rt      # kept alive as long as the weight runtime (the optimizer's claim holds it)
-        ctx.activation_offload = rt
-    return rt
-
-
 def _repeated_layers(ctx, layers) -> list[str]:
     """Every repeated layer group of the compiled model (from its parameter names), ``layers`` included."""
     from ..perf.analysis import is_repeated_layer, layer_group
-    names = (getattr(ctx, "param_names", None) or {}).values()
+    names = ctx.param_names.values()
     return sorted({layer_group(n) for n in names if is_repeated_layer(n)} | set(layers))
 
 
@@ -118,12 +107,12 @@ def _root(node: fx.Node) -> fx.Node:
 def activation_offload_forward(gm: fx.GraphModule, plan, ctx) -> tuple[fx.GraphModule, OffloadedActivations]:
     from ..runtime.activation_offload import offloadable
     layers = [layer for layer, choice in plan.activations if choice in OFFLOADED]
-    if not layers or getattr(ctx, "offload", None) is None:
+    if not layers or ctx.offload is None:
         return gm, OffloadedActivations()
     if BW_NAME in ctx.options.disable_passes:
         log.warning("socompile: %s is disabled, so activations are not offloaded either", BW_NAME)
         return gm, OffloadedActivations()
-    rt = _runtime(ctx)
+    rt = ctx.activation_offload      # bound by the pipeline with the buckets when layers offload
     build = GraphBuilder(gm, FW_NAME)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     outputs = list(output.args[0])
@@ -191,7 +180,7 @@ def activation_offload_backward(gm: fx.GraphModule, plan, ctx, record: Offloaded
     offloaded = record.by_placeholder() if record is not None else {}
     if not offloaded:
         return gm
-    rt = _runtime(ctx)
+    rt = ctx.activation_offload      # bound by the pipeline with the buckets when layers offload
     build = GraphBuilder(gm, BW_NAME)
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
@@ -215,8 +204,8 @@ def activation_offload_backward(gm: fx.GraphModule, plan, ctx, record: Offloaded
     order = sorted(by_layer, key=lambda layer: position[start[layer]])
     # Prefetches first, then waits: nodes inserted before the same anchor stay in insertion order, so a layer's
     # prefetch precedes its waits even where two layers' first uses are the same node.
-    # Where: when the backward of the layer PREFETCH_AHEAD places later in the forward gets under way (its
-    # first weight gradient), so the copies overlap that layer's backward; failing that, when the offloaded
+    # Where: when the backward of the layer plan.activation_prefetch_ahead places later in the forward gets under
+    # way (its first weight gradient), so the copies overlap that layer's backward; failing that, when the offloaded
     # layer before it in backward order starts, or at the start of backward.
     sequence = []
     if ctx.forward_graph is not None:
@@ -224,12 +213,13 @@ def activation_offload_backward(gm: fx.GraphModule, plan, ctx, record: Offloaded
         fw_pos = {n: i for i, n in enumerate(ctx.forward_graph.graph.nodes)}
         sequence = sorted(fw_starts, key=lambda layer: fw_pos[fw_starts[layer]])
     grads = _first_gradients(gm, ctx)
+    ahead = plan.activation_prefetch_ahead     # the planner's decision (plan/plan.py)
     tickets: dict[str, fx.Node] = {}
     for i, layer in enumerate(order):
         k = sequence.index(layer) if layer in sequence else -1
         # A layer's output is the next layer's input, read as soon as the next layer's backward starts: so the
-        # first candidate that comes before the layer's first use is taken, PREFETCH_AHEAD layers later or more.
-        later = [sequence[j] for j in range(k + PREFETCH_AHEAD, len(sequence)) if k >= 0 and sequence[j] in grads
+        # first candidate that comes before the layer's first use is taken, the planned distance later or more.
+        later = [sequence[j] for j in range(k + ahead, len(sequence)) if k >= 0 and sequence[j] in grads
                  and position[grads[sequence[j]]] < position[start[layer]]]
         if later:
             anchor, why = grads[later[0]], f"{layer}: its saved activations come back while the backward of " \

@@ -2,7 +2,7 @@
 or offload to host memory, as planned (``Plan.activations``: layer group such as "layers.3" -> "keep" |
 "recompute" | "selective" | "offload").
 
-**recompute** is applied at partition time (``repartition``, called by backend._apply_plan right after the first
+**recompute** is applied at partition time (``repartition``, called by socompile/pipeline.py right after the
 plan): the forward nodes of each such layer in the joint graph are tagged the way torch's selective activation
 checkpointing tags them (``meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE``, ``meta["ac_graph_id"]`` one per
 layer), the layer's outputs to the rest of the forward are tagged ``MUST_SAVE`` (they are the next layer's
@@ -10,50 +10,28 @@ input, the one tensor a checkpointed layer keeps), random ops are tagged ``MUST_
 draw new numbers), and the stock min-cut partitioner runs again; it honours the tags. **selective** is the
 same with the layer's attention kernels (SDPA / flash attention) and their outputs (out, logsumexp, RNG state:
 what the attention backward reads besides q, k, v) also tagged ``MUST_SAVE``: the backward recomputes the
-projections, norms, rotary and MLP from the layer's input, never the attention itself. The IR is rebuilt from
-the new graphs and the plan is made again with the first plan's activation choices pinned, so every node the
-plan names (bucket ``ready_after``, flow anchors) is a node of the graphs that run.
+projections, norms, rotary and MLP from the layer's input, never the attention itself. The pipeline rebuilds
+the IR from the new graphs and re-anchors the plan on it (plan/anchor.py: the plan is not made again), so every
+node the plan names (bucket ``ready_after``, flow anchors) is a node of the graphs that run.
 
 **offload** (and selective_offload's checkpoints) is applied by two passes on the partitioned graphs, in
 activation_offload.py (listed with the other passes in table.py).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import operator
 
 import torch
 from torch import fx
 
-from ..options import ACTIVATION_CHOICES as CHOICES
-from .layers import OFFLOADED, layer_of
+from ..options import ACTIVATION_CHOICES as CHOICES  # noqa: F401  (the choices this module applies)
+from .layers import OFFLOADED, layer_of  # noqa: F401  (OFFLOADED: the choices activation_offload applies)
 
 log = logging.getLogger("socompile")
 
 RECOMPUTE_NAME = "activation_recompute"   # the name its before/after dumps carry (applied at partition time)
 
-_override: dict[str, str] | None = None
-
-
-@contextlib.contextmanager
-def override(choices: dict[str, str]):
-    """Pin per-layer choices by hand for graphs compiled inside the block (the partition happens at the first
-    call of the compiled model)::
-
-        with socompile.passes.activations.override({"layers.0": "recompute", "layers.1": "offload"}):
-            loss = F.cross_entropy(cmodel(x)...)      # first call: compiles with these choices
-
-    Layers not named keep the planner's choice."""
-    global _override
-    bad = {k: v for k, v in choices.items() if v not in CHOICES}
-    if bad:
-        raise ValueError(f"activation choices must be one of {CHOICES}, got {bad}")
-    previous, _override = _override, dict(choices)
-    try:
-        yield
-    finally:
-        _override = previous
 
 
 def _tangent_closure(graph: fx.Graph) -> set[fx.Node]:
@@ -120,52 +98,24 @@ def tag_recompute(joint: fx.GraphModule, layers: list[str], selective=()) -> dic
     return counts
 
 
-def _choices(ctx) -> tuple[tuple[str, str], ...]:
-    planned = dict(ctx.plan.activations)
-    if _override:
-        planned.update(_override)
-    return tuple((layer, choice) for layer, choice in planned.items() if choice in CHOICES)
+RECOMPUTED = ("recompute", "selective", "selective_offload")   # choices whose layer is recomputed in backward
+SELECTIVE = ("selective", "selective_offload")                # ... with its attention outputs kept
 
 
-def repartition(ctx, fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """Called by backend._apply_plan after the first plan. With an ``override``, the plan is made again with the
-    overridden choices pinned. Layers to recompute: tag the joint graph, partition again, rebuild the IR and
-    plan again with the same choices pinned (``plan(..., activations=...)``). Returns the graphs the passes will
-    rewrite."""
-    from ..plan import get_profile, plan
-    repartition_fn = getattr(ctx, "repartition", None)
-    ctx.repartition = None          # drop the joint graph once used (it holds fake tensors)
-    choices = _choices(ctx)
-    if choices != ctx.plan.activations:
-        ctx.plan = plan(ctx.ir, get_profile(ctx.options.target), ctx.options, activations=choices)
-        choices = ctx.plan.activations
-    offload = [layer for layer, choice in choices if choice in OFFLOADED]
-    if offload and (ctx.optimizer is None or not ctx.plan.buckets):
-        log.warning("socompile: layers %s are planned to offload their activations, but the passes run only for "
-                    "parameters of a socompile.AdamW; their activations are kept", ", ".join(offload))
-    recompute = [layer for layer, choice in choices if choice in ("recompute", "selective", "selective_offload")]
-    selective = {layer for layer, choice in choices if choice in ("selective", "selective_offload")}
-    if not recompute:
-        return fw, bw
-    if repartition_fn is None:
-        log.warning("socompile: layers %s are planned to recompute their activations but this compile has no "
-                    "joint graph to partition again; their activations are kept", ", ".join(recompute))
-        return fw, bw
-    counts = tag_recompute(repartition_fn.joint, recompute, selective)
-    before_fw, before_bw = fw.code, bw.code
-    fw, bw = repartition_fn()
-    from ..capture import build_ir, describe
-    infos = [describe(i, name, ctx.param_objects[i], optimized=ctx.optimizer is not None)
-             for i, name in ctx.param_names.items()]
-    ctx.ir = build_ir(fw, bw, infos)
-    ctx.plan = plan(ctx.ir, get_profile(ctx.options.target), ctx.options, activations=choices)
-    ctx.forward_graph, ctx.backward_graph = fw, bw
-    ctx.record_dump("fw", RECOMPUTE_NAME, before_fw, fw.code, fw)
-    ctx.record_dump("bw", RECOMPUTE_NAME, before_bw, bw.code, bw)
-    ctx.activation_recomputed = counts
-    log.info("socompile: recompute activations of %d layer(s) in backward (%d selective: attention kept; %d "
-             "forward nodes tagged)", len(recompute), len(selective), sum(counts.values()))
-    return fw, bw
+def recomputed_layers(choices) -> tuple[list[str], set[str]]:
+    """The layers of ``choices`` (Plan.activations) recomputed in backward, and those of them that are selective."""
+    recompute = [layer for layer, choice in choices if choice in RECOMPUTED]
+    selective = {layer for layer, choice in choices if choice in SELECTIVE}
+    return recompute, selective
+
+
+def repartition(joint: "Repartition", recompute: list[str], selective: set[str]):
+    """Tag ``recompute`` (``selective``: attention kept) in the joint graph and partition it again with the same
+    partitioner, which honours the tags. Returns the new (forward, backward) and the nodes tagged per layer.
+    Decides nothing: the layers are the plan's (socompile/pipeline.py calls it)."""
+    counts = tag_recompute(joint.joint, recompute, selective)
+    fw, bw = joint()
+    return fw, bw, counts
 
 
 class Repartition:

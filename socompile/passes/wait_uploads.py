@@ -38,8 +38,8 @@ def _parameter_placeholders(gm: fx.GraphModule, ctx, params: set[str]) -> list[f
 
 
 def wait_uploads(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
-    runtime = getattr(ctx, "offload", None)
-    if runtime is None or getattr(ctx, "claim_handle", -1) < 0:
+    runtime = ctx.offload
+    if runtime is None or ctx.claim_handle < 0:
         return gm   # planned for reading only (offline plan/dump): no optimizer, no uploads
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     waits = []

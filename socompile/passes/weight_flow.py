@@ -70,8 +70,8 @@ def _apply(gm: fx.GraphModule, plan, ctx, phase: str, pass_name: str, chains: di
     """``chains``: bw placeholder name -> view ops to replay on the parameter (filled in forward, read in
     backward)."""
     # Graphs planned for reading only (offline plan/dump: no optimizer, no runtime) get no flow nodes.
-    schedule = (getattr(ctx, "flow_schedule", None) or {}).get(phase, [])
-    if not schedule or getattr(ctx, "offload", None) is None:
+    schedule = ctx.flow_schedule.get(phase, [])
+    if not schedule or ctx.offload is None:
         return gm
     runtime = ctx.offload
     build = GraphBuilder(gm, pass_name)

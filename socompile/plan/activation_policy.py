@@ -93,6 +93,7 @@ def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
     of its checkpoints (output and attention outputs) instead of its saved tensors. 'auto': see _AutoSearch."""
     layers = list(ctx.costs.layers)
     forced = ctx.options.activations
+    pins = _option_pins(ctx, layers)
     if not layers:
         if forced in ("recompute", "selective", X, "offload"):
             decisions.append(f"activations: {forced} requested but the graph has no repeated layers; kept")
@@ -105,6 +106,7 @@ def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
         chosen = _auto_choices(ctx, layers, lcosts, available, room)
     else:
         chosen = _forced_choices(ctx, layers, forced, room)
+    chosen.update(pins)
     act, expr, offloaded = _activation_bytes(ctx, chosen)
     if all(c == "keep" for c in chosen.values()):
         if forced == "keep":
@@ -330,6 +332,17 @@ def _host_room(ctx: _Context, base) -> float:
         need = host_memory([dataclasses.replace(b, rollback="inverse") for b in flows], ctx.weight_bytes,
                            ctx.world)[0]
     return max(0.0, limit - need)
+
+
+def _option_pins(ctx: _Context, layers) -> dict[str, str]:
+    """options.activation_layers (layer group -> choice), each name checked against the graph's repeated layers:
+    these layers take the given choice whatever the policy picks for the others."""
+    pins = ctx.options.activation_layers or {}
+    unknown = sorted(set(pins) - {lc.name for lc in layers})
+    if unknown:
+        raise PlanError(f"option activation_layers names {unknown}, which are not repeated layers of this graph; "
+                        f"its layers: {_names_text([lc.name for lc in layers])}")
+    return dict(pins)
 
 
 def _names_text(names: list[str]) -> str:

@@ -11,6 +11,13 @@ from typing import Any
 # Per-layer activation choices (Plan.activations; passes/activations.py applies them), defined with the option.
 from ..options import ACTIVATION_CHOICES, OFFLOADED_CHOICES  # noqa: F401
 
+# How many layers ahead (in forward order) of an offloaded layer the backward starts copying its saved tensors
+# back: one, the layer whose backward runs just before it. This is what the activation policy's time model
+# assumes when it prices an offload (the copy in hides under the previous layer's backward,
+# plan/activation_policy.py), so it is a decision of the planner, fixed rather than searched; the plan exposes it
+# (Plan.activation_prefetch_ahead) and passes/activation_offload.py reads it from there.
+ACTIVATION_PREFETCH_AHEAD = 1
+
 
 @dataclasses.dataclass(frozen=True)
 class BucketPlan:
@@ -49,6 +56,12 @@ class Plan:
     # "offload" (saved tensors go to host memory in forward and come back in backward).
     # Empty: keep everything. passes/activations.py applies it.
     activations: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def activation_prefetch_ahead(self) -> int:
+        """Offloaded layers' saved tensors come back this many layers ahead (ACTIVATION_PREFETCH_AHEAD; a
+        constant of the planner, so not a field of the JSON)."""
+        return ACTIVATION_PREFETCH_AHEAD
 
     def activation_choice(self, layer: str) -> str:
         return dict(self.activations).get(layer, "keep")
