@@ -330,11 +330,18 @@ def _bind_runtime(ctx: CompileContext, claim) -> None:
     """The offload runtime of this graph pair (device buffers, flow fetches, memory ledger). The optimizer's
     claim keeps it alive as long as the buckets it serves; graphs reach it by handle."""
     from .plan.flow_schedule import flow_schedule
-    from .runtime.device import device_runtime
+    from .options import OptionError
+    from .runtime.device import device_runtime, resolve_runtime
     from .runtime.offload import OffloadRuntime
 
+    kind = resolve_runtime(ctx.options.runtime)
+    built_for = getattr(ctx.optimizer, "runtime_kind", kind)
+    if built_for != kind and "emulated" in (kind, built_for):
+        raise OptionError(f"option runtime={ctx.options.runtime!r} asks for the {kind!r} runtime, but "
+                          f"socompile.AdamW was built for {built_for!r} (it decides where the master lives when "
+                          f"it is built): set SOCOMPILE_RUNTIME={kind} before building the optimizer")
     device = ctx.param_objects[next(iter(ctx.param_objects))].device
-    ctx.offload = OffloadRuntime(ctx.plan, claim.buckets, device_runtime(device), events=ctx.optimizer.events)
+    ctx.offload = OffloadRuntime(ctx.plan, claim.buckets, device_runtime(device, kind), events=ctx.optimizer.events)
     claim.offload_runtimes = [*getattr(claim, "offload_runtimes", []), ctx.offload]
     ctx.flow_schedule = flow_schedule(ctx.plan, ctx.ir)
     ctx.flow_saved_chains = {}
