@@ -290,10 +290,15 @@ def resolve_runtime(choice: str = "auto", environ=None) -> str:
 
 
 def _emulated_runtime() -> DeviceRuntime:
-    """The CUDA runtime over the emulated device: its logic as on a GPU, its seam swapped; the model's CPU
-    tensors are the device's memory."""
+    """The CUDA runtime over the emulated device of ``SOCOMPILE_EMULATION_SEED``: its logic as on a GPU, its
+    seam swapped; the model's CPU tensors are the device's memory."""
     from .emulated_cuda import emulated_device, seed_from_environ
     return CUDARuntime("cpu", api=emulated_device(seed_from_environ()))
+
+
+def _emulated_key() -> str:
+    from .emulated_cuda import seed_from_environ
+    return f"emulated:{seed_from_environ()}"
 
 
 _SHARED: dict[str, DeviceRuntime] = {}
@@ -305,10 +310,10 @@ def shared_runtime(device: str | torch.device, runtime: str = "auto") -> DeviceR
     streams are created once, not per bucket). ``runtime``: see ``resolve_runtime``."""
     key = str(torch.device(device)) if str(device) != "auto" else "auto"
     if key in ("cpu", "auto") and resolve_runtime(runtime) == "emulated":
-        key = "emulated"
+        key = _emulated_key()       # one per seed: a test may run several
     with _SHARED_LOCK:
         if key not in _SHARED:
-            _SHARED[key] = _emulated_runtime() if key == "emulated" else device_runtime(key)
+            _SHARED[key] = _emulated_runtime() if key.startswith("emulated") else device_runtime(key)
         return _SHARED[key]
 
 
