@@ -112,6 +112,9 @@ class _Recorder:
     def record_stream(self, tensor, stream):
         self.calls.append(("record_stream", stream.name))
 
+    def is_device(self, tensor):
+        return tensor.device.type == "cuda"     # never here: the recorder keeps every tensor on the CPU
+
     def empty(self, numel, dtype):
         return torch.empty(numel, dtype=dtype)
 
