@@ -575,8 +575,8 @@ def recorded_cuda(monkeypatch):
     from socompile.runtime.offload import OffloadRuntime
     api = _Recorder()
     rt = dev.CUDARuntime("cuda", api=api)
-    monkeypatch.setattr(dev, "shared_runtime", lambda device: rt)
-    monkeypatch.setattr(dev, "device_runtime", lambda device="auto": rt)
+    monkeypatch.setattr(dev, "shared_runtime", lambda device, runtime="auto": rt)
+    monkeypatch.setattr(dev, "device_runtime", lambda device="auto", runtime="auto": rt)
     original = OffloadRuntime.wait
 
     def wait(self, phase, bucket):
