@@ -181,3 +181,31 @@ def test_emulated_training_matches_eager_adamw_every_case_3_seeds(monkeypatch, c
 def test_emulated_training_matches_eager_adamw_over_20_seeds(monkeypatch, case):
     for seed in range(100, 120):
         check_case(monkeypatch, case, seed)
+
+
+def test_without_the_keep_alive_inductor_reuses_a_gradient_buffer_under_its_d2h_copy(monkeypatch):
+    """Risk 1 of issue 17, both ways. The backward hands a bucket's gradients to bucket_grads_ready, whose D2H
+    copy is asynchronous; Inductor reuses a dead buffer for a later kernel ("bufN = bufM; del bufM  # reuse").
+    Without socompile::grads_copied (today's code before the fix) the copy reads a rewritten buffer: a hazard.
+    Each queued operation waits 20 ms here, far longer than the few kernels between the hand-over and the
+    reuse, so the copy always runs after it."""
+    from socompile.passes import insert_optimizer_steps
+    device = emulate(monkeypatch, 7)
+    monkeypatch.setattr(device, "_delay", lambda: 0.02)
+    monkeypatch.setattr(insert_optimizer_steps, "_grads_copied_async", lambda ctx: False)
+    with pytest.raises(Exception, match="rewritten after the copy was queued"):
+        train("stationary", steps=1)
+    torch._dynamo.reset()
+
+
+def test_with_the_keep_alive_each_bucket_waits_for_its_gradient_copy_in_the_graph(monkeypatch):
+    device = emulate(monkeypatch, 8)
+    monkeypatch.setattr(device, "_delay", lambda: 0.02)
+    ours, ref, opt, backend, _ = train("stationary", steps=1)
+    ctx = backend.compiled[0]
+    kept = [n.args[3] for n in ctx.backward_graph.graph.nodes
+            if n.target is torch.ops.socompile.grads_copied.default]
+    assert sorted(kept) == [b.index for b in ctx.plan.buckets]
+    for b in opt.buckets:
+        b.wait_grads()
+    device.check()
