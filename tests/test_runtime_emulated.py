@@ -210,3 +210,12 @@ def test_under_the_emulated_runtime_a_cpu_model_gets_the_cuda_treatment(monkeypa
     bucket = opt.buckets[0]
     assert bucket._cuda_host() and not bucket.runtime.api.is_device(bucket.master)
     assert bucket.runtime.api.is_device(bucket.weights)
+
+
+def test_freed_host_buffers_are_forgotten_and_their_memory_may_become_device_memory():
+    rt, api = runtime()
+    for _ in range(3000):
+        rt.host_buffer(16, torch.float32)         # freed at once
+    assert len(api._host) < 2100
+    kept = rt.host_buffer(16, torch.float32)
+    assert not api.is_device(kept)

@@ -231,6 +231,7 @@ class EmulatedCuda:
         self._local = threading.local()
         self.compute = _ComputeStream(self)
         self._host: dict[int, weakref.ref] = {}   # storages of pinned host buffers, by data pointer
+        self._prune_at = 1024
         self._pending: dict[tuple, int] = {}       # memory region -> queued copies reading or writing it
         self.hazards: list[str] = []
         self.counts = {"copies": 0, "device_casts": 0, "record_stream": 0, "streams": 0}
@@ -275,6 +276,9 @@ class EmulatedCuda:
         storage = t.untyped_storage()
         with self._lock:
             self._host[storage.data_ptr()] = weakref.ref(storage)
+            if len(self._host) > self._prune_at:      # forget freed buffers (activation offload makes many)
+                self._host = {k: r for k, r in self._host.items() if r() is not None}
+                self._prune_at = 2 * len(self._host) + 1024
         return t
 
     # --- what a real tensor would tell
