@@ -183,6 +183,12 @@ def test_an_unknown_runtime_names_the_choices(monkeypatch):
         dev.resolve_runtime() and dev.device_runtime("cpu")
 
 
+def test_asking_for_cuda_without_a_gpu_names_the_emulated_runtime(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="no usable CUDA.*'emulated'"):
+        dev.resolve_runtime("cuda")
+
+
 def test_doctor_names_the_runtime_a_compile_would_use(monkeypatch):
     from socompile.doctor import report
     monkeypatch.setenv("SOCOMPILE_RUNTIME", "emulated")

@@ -286,6 +286,10 @@ def resolve_runtime(choice: str = "auto", environ=None) -> str:
         choice = check_runtime_choice((os.environ if environ is None else environ).get(RUNTIME_ENV) or "auto")
     if choice == "auto":
         choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"socompile: runtime 'cuda' asked for, but this torch has no usable CUDA (torch "
+                           f"{torch.__version__}, CUDA build: {torch.version.cuda}); use 'emulated' to run the CUDA "
+                           f"path on this CPU, or 'auto'")
     return choice
 
 
