@@ -166,13 +166,15 @@ def offload_case(args, overrides: dict, data, dtype: torch.dtype) -> None:
     print(f"  host: {pinned / 2**30:.1f} GiB of pinned fp32 master/gradients/moments; losses "
           f"{', '.join(f'{v:.3f}' for v in losses[:3])} ... {losses[-1]:.3f}")
     check(all(v == v for v in losses), "every loss is finite")
-    check(len(losses) > 2 and sum(losses[-2:]) / 2 < losses[0],
-          f"the loss falls: {losses[0]:.3f} -> {sum(losses[-2:]) / 2:.3f} (mean of the last two) over {len(losses)} steps")
+    last = sum(losses[-2:]) / 2
+    check(len(losses) > 2 and last < losses[0],
+          f"the loss falls: {losses[0]:.3f} -> {last:.3f} (mean of the last two) over {len(losses)} steps")
     predicted = ctx.plan.prediction("device_peak_bytes") if ctx is not None and ctx.plan is not None else None
     check(predicted is not None, "the plan predicts the device peak")
     ratio = peak / predicted
-    check(abs(ratio - 1) <= PEAK_TOLERANCE, f"measured device peak {peak / 2**30:.2f} GiB is {ratio:.0%} of the "
-                                            f"plan's prediction {predicted / 2**30:.2f} GiB (within {PEAK_TOLERANCE:.0%})")
+    check(abs(ratio - 1) <= PEAK_TOLERANCE,
+          f"measured device peak {peak / 2**30:.2f} GiB is {ratio:.0%} of the plan's prediction "
+          f"{predicted / 2**30:.2f} GiB (within {PEAK_TOLERANCE:.0%})")
 
 
 def guarded(what: str, fn, failures: list) -> None:
