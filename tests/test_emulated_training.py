@@ -16,7 +16,7 @@ test_device_mirror's Inductor bf16 test (Inductor rounds bf16 once per fused ker
 element whose gradient is near zero may step ~lr either way): worst element <= 2 * lr * steps, mean <= 1e-4.
 
 Seeds (different delays, so different interleavings of the copies with the compute and the optimizer's worker
-thread): the default suite runs one seed of five cases (compiles dominate: ~10 s each on 2 cores); the slow tests
+thread): the default suite runs one seed of eight cases (compiles dominate: ~10 s each on 2 cores); the slow tests
 run every case at 3 seeds and at 20.
 """
 import copy
@@ -140,6 +140,9 @@ def check_case(monkeypatch, case, seed):
     device.check()                                    # no race seen
     assert opt.host_master == "separate" and opt.cpu_worker == "thread"   # the CUDA treatment
     assert device.counts["copies"] > 0 and device.counts["record_stream"] > 0
+    # as in production, the optimizer's runtime and the graph's are two (two h2d streams) on one device
+    graph_runtime = backend.compiled[0].offload.device
+    assert all(b.runtime is not graph_runtime and b.runtime.api is graph_runtime.api is device for b in opt.buckets)
     assert_matches_reference(ours, ref, opt)
     check_features(case, opt, backend, history)
 
@@ -161,7 +164,8 @@ def check_features(case, opt, backend, history):
 # The default suite: one seed of the cases that cover every copy path (uploads, D2H gradients with a
 # non-finite step and a redo, flow fetches, activation copies, two forwards in flight, accumulating); each
 # compile costs ~10 s on 2 cores. Every case at 3 and at 20 seeds: the slow tests.
-DEFAULT = ("stationary", "flow_d1", "clip_nonfinite", "activations_offload", "two_forwards")
+DEFAULT = ("stationary", "flow_d1", "gpu_buckets", "bf16", "clip_nonfinite", "accumulate4", "activations_offload",
+           "two_forwards")
 
 
 @pytest.mark.parametrize("case", DEFAULT)
