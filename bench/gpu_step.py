@@ -87,13 +87,14 @@ def copy_stream_check(mb: int = 64, copies: int = 16) -> None:
     check(hidden >= HIDDEN_FLOOR, f"{hidden:.0%} of the h2d copy time hidden under compute (floor {HIDDEN_FLOOR:.0%})")
 
 
-def equals_eager_check(steps: int = 3) -> None:
+def equals_eager_check(steps: int = 3, device: str = "cuda") -> None:
     """socompile on the GPU (tiny model, eager compute, CPU Adam with a separate host master) against
-    torch.optim.AdamW on the same GPU: see EAGER_ATOL in the module docstring."""
+    torch.optim.AdamW on the same GPU: see EAGER_ATOL in the module docstring. ``device="cpu"`` under
+    SOCOMPILE_RUNTIME=emulated: the same check on the emulated device (``--emulated``, a smoke test)."""
     import copy
     torch._dynamo.reset()
     torch.manual_seed(0)
-    ours = build("tiny", n_layers=2).cuda()
+    ours = build("tiny", n_layers=2).to(device)
     ref = copy.deepcopy(ours)
     hyper = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     opt = socompile.AdamW(ours.parameters(), **hyper)
@@ -101,12 +102,14 @@ def equals_eager_check(steps: int = 3) -> None:
     cmodel = torch.compile(ours, backend=socompile.SuperOffload(compute="eager", gpu_buckets=0, bucket_size="256KB"))
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
-        x, y = (torch.randint(0, 256, (2, 32), generator=g).cuda() for _ in range(2))
+        x, y = (torch.randint(0, 256, (2, 32), generator=g).to(device) for _ in range(2))
         for model, o in ((cmodel, opt), (ref, ref_opt)):
             F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
             o.step()
             o.zero_grad()
-    torch.cuda.synchronize()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    check(opt.host_master == "separate", "the separate host master (the CUDA path) was used")
     with opt.materialized_weights():
         worst = max((p - q).abs().max().item() for p, q in zip(ours.parameters(), ref.parameters()))
     check(worst <= EAGER_ATOL, f"socompile equals torch.optim.AdamW on the GPU: worst |diff| {worst:.2e} "
@@ -206,7 +209,16 @@ def main() -> None:
                              "CPU, the offload path; -1: the planner decides, which for a model this small next to "
                              "the GPU's memory may keep them all on the GPU)")
     parser.add_argument("--skip-baseline", action="store_true", help="only the socompile case(s)")
+    parser.add_argument("--emulated", action="store_true",
+                        help="no GPU: only the equality check, on the emulated CUDA device "
+                             "(SOCOMPILE_RUNTIME=emulated must be set before this script starts): a smoke test")
     args = parser.parse_args()
+    if args.emulated:
+        from socompile.runtime.device import resolve_runtime
+        if resolve_runtime() != "emulated":
+            sys.exit("--emulated needs SOCOMPILE_RUNTIME=emulated in the environment")
+        equals_eager_check(device="cpu")
+        return
     if not torch.cuda.is_available():
         sys.exit(f"bench/gpu_step.py needs a CUDA GPU; torch {torch.__version__} (CUDA build: {torch.version.cuda}) "
                  f"sees none")
