@@ -130,6 +130,7 @@ def assert_matches_reference(ours, ref, opt):
 
 
 def check_case(monkeypatch, case, seed):
+    torch._dynamo.reset()     # a fresh compile per seed (the slow test loops; Dynamo stops compiling after 8)
     device = emulate(monkeypatch, seed)
     ours, ref, opt, backend, history = train(case)
     opt.wait_uploads()
