@@ -24,8 +24,22 @@ def _torch_lines():
         lines.append(f"CUDA available: {'yes, %d device(s)' % count if cuda else 'no'}")
     except Exception as e:  # noqa: BLE001
         lines.append(f"CUDA available: unknown ({e})")
+    lines.append(_runtime_line())
     lines.append(f"torch threads: {torch.get_num_threads()}, CPU capability: {torch.backends.cpu.get_cpu_capability()}")
     return lines
+
+
+def _runtime_line() -> str:
+    """The device runtime a compile would use here (runtime/device.py resolve_runtime)."""
+    try:
+        from .runtime.device import RUNTIME_ENV, resolve_runtime
+        kind = resolve_runtime()
+    except Exception as e:  # noqa: BLE001 - an unknown SOCOMPILE_RUNTIME is reported, not raised
+        return f"runtime: unknown ({e})"
+    why = {"cpu": "no usable CUDA", "cuda": "CUDA available",
+           "emulated": "the CUDA runtime on an emulated asynchronous device, docs/runtime.md"}[kind]
+    source = f", set by {RUNTIME_ENV}" if os.environ.get(RUNTIME_ENV) else ""
+    return f"runtime: {kind} ({why}{source})"
 
 
 def _kernel_lines():

@@ -31,6 +31,7 @@ OFFLOADED_CHOICES = ("offload", "selective_offload")   # saved tensors (selectiv
 NOT_OPTIONS = {
     "SOCOMPILE_ISA": "socompile_ext/__init__.py: forces the CPU Adam kernel's SIMD path (docs/kernel.md)",
     "SOCOMPILE_PROFILE_DIR": "socompile/hardware/profiles.py: where `calibrate` stores this machine's profile",
+    "SOCOMPILE_EMULATION_SEED": "socompile/runtime/emulated_cuda.py: seed of the emulated device's delays",
     "SOCOMPILE_DEEPSPEED_PYTHON": "bench/adam.py: the Python interpreter that has DeepSpeed, for the comparison",
 }
 
@@ -65,6 +66,11 @@ class Options:
     planner chooses (64MB, or the largest smaller size whose buckets in flight fit the device budget)."""
     compute: str = "inductor"
     """Compiler for the forward/backward compute: 'inductor' (default) or 'eager' (FX interpreted, fast compile)."""
+    runtime: str = "auto"
+    """Device runtime: 'cuda', 'cpu', 'emulated' (the CUDA runtime on an emulated asynchronous device: a CPU model
+    is treated as a CUDA one, copies land late; checks the GPU path without a GPU, docs/runtime.md) or 'auto'
+    (CUDA when available, else the CPU). The optimizer reads SOCOMPILE_RUNTIME when it is built: set the variable
+    rather than the option to emulate a whole script."""
     gpu_buckets: int | None = None
     """Pin the number of optimizer buckets kept on the device; None lets the planner choose."""
     disable_passes: tuple[str, ...] = ()
@@ -145,6 +151,8 @@ class Options:
                               f"{self.optimizer_threads}")
         if self.recompile_warn_after < 0:
             raise OptionError(f"recompile_warn_after must be >= 0, got {self.recompile_warn_after}")
+        if self.runtime not in ("auto", "cpu", "cuda", "emulated"):
+            raise OptionError(f"runtime must be 'auto', 'cpu', 'cuda' or 'emulated', got {self.runtime!r}")
         if self.compute not in ("inductor", "eager"):
             raise OptionError(f"compute must be 'inductor' or 'eager', got {self.compute!r}")
         if not (self.weight_mode in ("planned", "stationary", "flow") or re.fullmatch(r"flow:\d+(,\d+)*",

@@ -162,10 +162,25 @@ def _bind_runtime(ctx: CompileContext, claim) -> None:
     from .runtime.device import device_runtime
     from .runtime.offload import OffloadRuntime
 
+    kind = _runtime_kind(ctx)
     device = ctx.param_objects[next(iter(ctx.param_objects))].device
-    ctx.offload = OffloadRuntime(ctx.plan, claim.buckets, device_runtime(device), events=ctx.optimizer.events)
+    ctx.offload = OffloadRuntime(ctx.plan, claim.buckets, device_runtime(device, kind), events=ctx.optimizer.events)
     claim.offload_runtimes = [*getattr(claim, "offload_runtimes", []), ctx.offload]
     ctx.flow_schedule = flow_schedule(ctx.plan, ctx.ir)
+
+
+def _runtime_kind(ctx: CompileContext) -> str:
+    """The runtime of option ``runtime`` (cpu, cuda or emulated); it must be the one the optimizer was built for,
+    which decided where the master lives when it was built (docs/runtime.md)."""
+    from .options import OptionError
+    from .runtime.device import resolve_runtime
+    kind = resolve_runtime(ctx.options.runtime)
+    built_for = ctx.optimizer.runtime_kind
+    if built_for != kind and "emulated" in (kind, built_for):
+        raise OptionError(f"option runtime={ctx.options.runtime!r} asks for the {kind!r} runtime, but "
+                          f"socompile.AdamW was built for {built_for!r} (it decides where the master lives when "
+                          f"it is built): set SOCOMPILE_RUNTIME={kind} before building the optimizer")
+    return kind
 
 
 def _bind_activation_runtime(ctx: CompileContext) -> None:

@@ -575,7 +575,7 @@ def recorded_cuda(monkeypatch):
     from socompile.runtime.offload import OffloadRuntime
     api = _Recorder()
     rt = dev.CUDARuntime("cuda", api=api)
-    monkeypatch.setattr(dev, "device_runtime", lambda device="auto": rt)
+    monkeypatch.setattr(dev, "device_runtime", lambda device="auto", runtime="auto": rt)
     original = OffloadRuntime.wait
 
     def wait(self, phase, bucket):

@@ -36,7 +36,7 @@ def test_a_host_thread_waits_on_the_event_of_its_copy_only():
     rt = dev.CUDARuntime("cuda")
     d2h = rt.stream("d2h")
     other = rt.stream("other")
-    other.submit(lambda: torch.cuda._sleep(2_000_000_000))   # long work elsewhere must not block the waiter
+    busy = other.submit(lambda: torch.cuda._sleep(2_000_000_000))   # ~1 s of work elsewhere (2e9 cycles)
     src = torch.full((4096,), 3.0, device="cuda")
     dst = rt.host_buffer(4096, torch.float32)
     done = rt.copy_async(dst, src, d2h)
@@ -45,6 +45,10 @@ def test_a_host_thread_waits_on_the_event_of_its_copy_only():
     worker.start()
     worker.join(timeout=30)
     assert seen == [3.0 * 4096]
+    # The waiter finished while the other stream still ran: it waited for its event only. (Joining alone could
+    # not fail: a waiter blocked by the ~1 s of other work also finishes well within the 30 s timeout.)
+    assert not busy.query()
+    torch.cuda.synchronize()
 
 
 def test_flow_fetch_into_device_memory_is_booked_and_exact():

@@ -112,6 +112,9 @@ class _Recorder:
     def record_stream(self, tensor, stream):
         self.calls.append(("record_stream", stream.name))
 
+    def is_device(self, tensor):
+        return tensor.device.type == "cuda"     # never here: the recorder keeps every tensor on the CPU
+
     def empty(self, numel, dtype):
         return torch.empty(numel, dtype=dtype)
 
@@ -199,6 +202,6 @@ def test_an_optimizer_owns_one_runtime_per_device_shared_by_its_buckets():
     second = socompile.AdamW(params(), bucket_size=256, host_master="separate")
     runtimes = {id(b.runtime) for b in first._pool}
     assert len(first._pool) > 1 and len(runtimes) == 1 and None not in {b.runtime for b in first._pool}
-    assert first._pool[0].runtime is first._runtimes.get("cpu")
+    assert first._pool[0].runtime is first._runtimes.get("cpu", first.runtime_kind)
     assert second._pool[0].runtime is not first._pool[0].runtime
     assert isinstance(first._pool[0].runtime, dev.CPURuntime)

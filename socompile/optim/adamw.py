@@ -79,8 +79,13 @@ class AdamW(torch.optim.Optimizer):
         # while a core runs the step), so the step is better taken in between backward nodes. With a GPU,
         # backward runs on the GPU and the worker thread overlaps it for real. Measured on 2 cores (tiny preset,
         # validation on): thread 110-122 ms/step, inline 66-78, no speculation 64-77 (bench/stv.py).
+        # The runtime (runtime/device.py resolve_runtime: SOCOMPILE_RUNTIME, else CUDA when available, else the
+        # CPU): under "emulated" a CPU model is treated as a CUDA one (runtime/emulated_cuda.py).
+        from ..runtime.device import resolve_runtime
+        self.runtime_kind = resolve_runtime()
+        on_device = self.runtime_kind in ("cuda", "emulated")
         if cpu_worker == "auto":
-            cpu_worker = "thread" if torch.cuda.is_available() else "inline"
+            cpu_worker = "thread" if on_device else "inline"
         self.cpu_worker = cpu_worker
         if rollback not in ("pingpong", "inverse"):
             raise ValueError(f"rollback must be 'pingpong' (exact, 2x optimizer state) or 'inverse' (algebraic, "
@@ -91,7 +96,7 @@ class AdamW(torch.optim.Optimizer):
                              f"'auto' (separate when any parameter is not an fp32 CPU tensor), got {host_master!r}")
         if host_master == "auto":   # shared: the parameters can alias a master of their own dtype
             host_master = "separate" if any(real_dtype(p.dtype) not in (torch.float32, torch.float64)
-                                            or p.device.type != "cpu"
+                                            or p.device.type != "cpu" or self.runtime_kind == "emulated"
                                             for g in self.param_groups for p in g["params"]) else "shared"
         self.host_master = host_master
         self.max_grad_norm = max_grad_norm
@@ -224,7 +229,7 @@ class AdamW(torch.optim.Optimizer):
         for k, (index, params) in enumerate(zip(indices, param_lists)):
             runtime = None
             if self.host_master == "separate" and params:
-                runtime = self._runtimes.get(params[0].device)
+                runtime = self._runtimes.get(params[0].device, self.runtime_kind)
             bucket = FlatBucket(index, params, shard=shard, host_master=self.host_master,
                                 site=sites[k] if sites else "cpu", flow=bool(flow and flow[k]), runtime=runtime)
             bucket.adopt(self._slot)

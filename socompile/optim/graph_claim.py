@@ -105,6 +105,11 @@ class GraphClaim:
                                "parameters ran its forward between this graph's forward and its backward.)")
         opt._on_grads(self.buckets[bucket], segments, grads, may_speculate=self.early_step[bucket])
 
+    def grads_copied(self, bucket: int) -> None:
+        """``socompile::grads_copied``: the graph may reuse this bucket's gradient buffers from here on; the
+        compute stream waits for their copy to the host first (CUDA)."""
+        self.buckets[bucket].wait_grads_on_compute()
+
     def wait_upload(self, bucket: int) -> None:
         """``socompile::wait_upload``: the forward is about to read this bucket's weights first; the compute
         stream waits for their upload (CUDA; nothing to wait for on the CPU build, where uploads are copies)."""

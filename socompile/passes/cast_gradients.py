@@ -48,4 +48,7 @@ def cast_gradients(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
                                    f"bucket {bucket.index}: gradients cross the link as {bucket.link_dtype}", g)
             grads.append(g)
         node.args = (grads, *node.args[1:])
+        for keep in [u for u in node.users if u.target is torch.ops.socompile.grads_copied.default
+                     and u.args[3] == bucket.index]:
+            keep.args = (grads, *keep.args[1:])   # the copy reads the cast gradients: keep those alive
     return gm

@@ -172,6 +172,10 @@ class _TorchCuda:
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         tensor.record_stream(stream)
 
+    def is_device(self, tensor: torch.Tensor) -> bool:
+        """In device memory (the emulated device, runtime/emulated_cuda.py, tells its own memory apart)."""
+        return tensor.device.type == "cuda"
+
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.device)
 
@@ -234,7 +238,7 @@ class CUDARuntime(DeviceRuntime):
         def copy():
             dst.copy_(src, non_blocking=True)
             for t in (dst, src):
-                if t.device.type == "cuda":
+                if self.api.is_device(t):
                     # Allocated on the compute stream, used on this one: the allocator must not reuse it
                     # before this stream's copy has finished.
                     self.api.record_stream(t, stream.stream)
@@ -249,17 +253,51 @@ class CUDARuntime(DeviceRuntime):
 
         def copies():
             for dst, src in pairs:
-                if src.device.type == "cuda" and dst.device.type != "cuda" and src.dtype != dst.dtype:
+                if self.api.is_device(src) and not self.api.is_device(dst) and src.dtype != dst.dtype:
                     src_on_device, src = src, src.to(dst.dtype)
                     self.api.record_stream(src_on_device, stream.stream)
                 dst.copy_(src, non_blocking=True)
                 for t in (dst, src):
-                    if t.device.type == "cuda":
+                    if self.api.is_device(t):
                         self.api.record_stream(t, stream.stream)
         return stream.submit(copies)
 
     def wait_on_compute(self, event: CUDAEvent) -> None:
         self.api.current_stream().wait_event(event.event)
+
+
+RUNTIMES = ("auto", "cpu", "cuda", "emulated")
+RUNTIME_ENV = "SOCOMPILE_RUNTIME"
+
+
+def check_runtime_choice(choice: str) -> str:
+    if choice not in RUNTIMES:
+        raise ValueError(f"socompile runtime must be one of {', '.join(map(repr, RUNTIMES))} ('emulated': the "
+                         f"CUDA runtime on an emulated asynchronous device, docs/runtime.md), got {choice!r}")
+    return choice
+
+
+def resolve_runtime(choice: str = "auto", environ=None) -> str:
+    """The runtime a compile uses: "cpu", "cuda" or "emulated". ``choice`` (option ``runtime``) wins; "auto"
+    takes ``SOCOMPILE_RUNTIME``, else CUDA when this torch has a usable GPU, else the CPU."""
+    import os
+    check_runtime_choice(choice)
+    if choice == "auto":
+        choice = check_runtime_choice((os.environ if environ is None else environ).get(RUNTIME_ENV) or "auto")
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"socompile: runtime 'cuda' asked for, but this torch has no usable CUDA (torch "
+                           f"{torch.__version__}, CUDA build: {torch.version.cuda}); use 'emulated' to run the CUDA "
+                           f"path on this CPU, or 'auto'")
+    return choice
+
+
+def _emulated_runtime() -> DeviceRuntime:
+    """The CUDA runtime over the emulated device of ``SOCOMPILE_EMULATION_SEED``: its logic as on a GPU, its
+    seam swapped; the model's CPU tensors are the device's memory."""
+    from .emulated_cuda import emulated_device, seed_from_environ
+    return CUDARuntime("cpu", api=emulated_device(seed_from_environ()))
 
 
 class Runtimes:
@@ -271,17 +309,21 @@ class Runtimes:
         self._by_device: dict[str, DeviceRuntime] = {}
         self._lock = threading.Lock()
 
-    def get(self, device: str | torch.device) -> DeviceRuntime:
-        key = str(torch.device(device)) if str(device) != "auto" else "auto"
+    def get(self, device: str | torch.device, runtime: str = "auto") -> DeviceRuntime:
+        """The runtime of ``device`` under ``runtime`` (option/env choice, ``resolve_runtime``)."""
+        key = (str(torch.device(device)) if str(device) != "auto" else "auto", runtime)
         with self._lock:
             if key not in self._by_device:
-                self._by_device[key] = device_runtime(key)
+                self._by_device[key] = device_runtime(*key)
             return self._by_device[key]
 
 
-def device_runtime(device: str | torch.device = "auto") -> DeviceRuntime:
-    """The runtime for ``device``: "auto" picks CUDA when this torch has a usable GPU, else the CPU stand-in."""
+def device_runtime(device: str | torch.device = "auto", runtime: str = "auto") -> DeviceRuntime:
+    """The runtime for ``device``: "auto" picks CUDA when this torch has a usable GPU, else the CPU stand-in;
+    a CPU device under the emulated runtime (``resolve_runtime``) gets the emulated CUDA device."""
     name = str(device)
+    if name in ("auto", "cpu") and runtime != "cpu" and resolve_runtime(runtime) == "emulated":
+        return _emulated_runtime()
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     kind = torch.device(name).type

@@ -243,6 +243,12 @@ class HostMasterCopies:
                 dst.copy_(flat_real(g))
             self.has_grad[i] = True
 
+    def wait_grads_on_compute(self) -> None:
+        """The compute stream waits (no host block on CUDA) for the gradient copy, before the graph reuses the
+        gradients' memory (``socompile::grads_copied``)."""
+        if self.grad_event is not None and self._cuda_host():
+            self.runtime.wait_on_compute(self.grad_event)
+
     def wait_grads(self) -> None:
         """Block this host thread until the bucket's gradient copy (CUDA event) is done; add staged
         micro-batches. A no-op on the CPU build and for device-stepped buckets."""
