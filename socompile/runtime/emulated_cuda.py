@@ -286,6 +286,12 @@ class EmulatedCuda:
         ref = self._host.get(_storage_key(t))
         return ref is None or ref() is None
 
+    def reseed(self, seed: int) -> None:
+        """Draw the delays of the operations queued from now on from ``seed``: another interleaving of the same
+        program (a test runs several seeds on one compiled model instead of compiling it once per seed)."""
+        with self._lock:
+            self.seed, self._rng = seed, random.Random(seed)
+
     # --- checks
     def check(self) -> None:
         """Raise the first hazard seen so far (tests call it at the end of a run)."""
