@@ -58,6 +58,15 @@ def run_pair(make_model: Callable[[], torch.nn.Module], steps: int = 10, options
 
 
 def assert_same_params(a: torch.nn.Module, b: torch.nn.Module, atol: float = 1e-6, rtol: float = 0.0) -> None:
-    """Default tolerance: see the module docstring of test_backend_training.py (torch's sqrt is not IEEE)."""
-    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
-        torch.testing.assert_close(p.detach(), q.detach(), atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+    """Default tolerance: see the module docstring of test_backend_training.py (torch's sqrt is not IEEE).
+    ``a``'s weights are read as docs/runtime.md asks between steps, inside its optimizers'
+    ``materialized_weights()``: on CUDA (and SOCOMPILE_RUNTIME=emulated) the last uploads may be in flight."""
+    import contextlib
+
+    from socompile.optim.owner import owner_of
+    owners = {id(o): o for o in map(owner_of, a.parameters()) if o is not None}
+    with contextlib.ExitStack() as stack:
+        for opt in owners.values():
+            stack.enter_context(opt.materialized_weights())
+        for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
