@@ -7,6 +7,12 @@ Each rank is a fresh ``python -m socompile.distributed.launch`` with torchrun's 
 ``init_distributed()`` exactly as under torchrun. The function gets the ``args`` dict and returns something
 JSON-serialisable; ``run_local`` returns each rank's exit code, result, output and wall time. Nothing is
 left running: ranks still alive at ``timeout_s`` are killed (and reported as timed out).
+
+The same entry point runs under a real ``torchrun`` (one node or several)::
+
+    torchrun --nproc-per-node 2 -m socompile.distributed.launch tests/test_dist_launch.py:_zero_train '{}' 'out/rank{rank}.json'
+
+``{rank}`` in the output path is replaced by the rank's RANK: torchrun gives every rank the same arguments.
 """
 from __future__ import annotations
 
@@ -15,6 +21,8 @@ import importlib.util
 import json
 import os
 import pathlib
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -75,6 +83,53 @@ def run_local(target: str, nprocs: int = 2, args: dict | None = None, timeout_s:
     return results
 
 
+@dataclasses.dataclass
+class CommandResult:
+    argv: list[str]
+    returncode: int | None     # None: killed at the timeout, or because another command failed
+    output: str                # stdout and stderr together
+    seconds: float
+
+
+def run_commands(commands: list[list[str]], timeout_s: float = 120.0, env: dict | None = None,
+                 cwd: str | os.PathLike | None = None) -> list[CommandResult]:
+    """Run ``commands`` at once (e.g. one ``torchrun`` per "node" of a multi-node job on this machine) and wait
+    for all of them. Fails fast, never hangs: once one exits non-zero, or ``timeout_s`` passes, every command
+    still running is killed with its whole process group (torchrun's ranks too)."""
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="socompile-cmd-"))
+    logs = [open(workdir / f"command{i}.log", "w+") for i in range(len(commands))]
+    procs = [subprocess.Popen(argv, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+             for argv, log in zip(commands, logs)]
+    start = time.monotonic()
+    ended: dict[int, float] = {}
+    while len(ended) < len(procs) and time.monotonic() - start < timeout_s:
+        for i, proc in enumerate(procs):
+            if i not in ended and proc.poll() is not None:
+                ended[i] = time.monotonic() - start
+        if any(procs[i].returncode != 0 for i in ended):
+            break
+        time.sleep(0.05)
+    results = []
+    for i, (argv, proc, log) in enumerate(zip(commands, procs, logs)):
+        if proc.poll() is None:
+            _kill_session(proc)
+        log.seek(0)
+        results.append(CommandResult(argv, proc.returncode if i in ended else None, log.read(),
+                                     ended.get(i, time.monotonic() - start)))
+        log.close()
+    shutil.rmtree(workdir, ignore_errors=True)
+    return results
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """Kill ``proc`` and everything it started (it leads its own session: start_new_session=True)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 def _load(target: str):
     where, _, name = target.rpartition(":")
     if where.endswith(".py"):
@@ -88,7 +143,8 @@ def _load(target: str):
 
 
 def _main(argv: list[str]) -> int:
-    target, args, out = argv[0], json.loads(argv[1]), argv[2]
+    target, args = argv[0], json.loads(argv[1])
+    out = argv[2].replace("{rank}", os.environ.get("RANK", "0"))
     import torch
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     result = _load(target)(args)
