@@ -2,9 +2,10 @@
 machine, and the torchrun commands of README.md and docs/distributed.md as written.
 
 The 2-node job: two torchrun agents (the "nodes", 2 ranks each) meet through the c10d rendezvous on
-127.0.0.1; the 4 ranks form a dp 2 x sp 2 mesh, train the tiny model compiled with superoffload (Ulysses over
-each node's 2 ranks, ZeRO over all 4, clipping on) and must end with bitwise identical weights equal to one
-process's (torch.optim.AdamW + clip_grad_norm_ on the global batch).
+127.0.0.1; the 4 ranks form a dp 2 x sp 2 mesh (its groups and plain data parallelism checked as in
+tests/test_dist_mesh.py), train the tiny model compiled with superoffload (Ulysses over each node's 2 ranks,
+ZeRO over all 4, clipping on) and must end with bitwise identical weights equal to one process's
+(torch.optim.AdamW + clip_grad_norm_ on the global batch).
 
 Tolerance (fp32, lr 1e-3, STEPS steps; u = 2^-24): the 4 ranks compute each gradient element as a sum over
 other token subsets (2 rows x 2 sequence halves, reduce-scattered in gloo's order) than one process's single
@@ -128,7 +129,10 @@ def _zero_train(args: dict) -> dict:
     import socompile.distributed as sd
     from socompile.models import build
 
+    from test_dist_mesh import train_like_one_process
+
     topo = sd.init_distributed(sp=2, timeout_s=60)
+    mesh_check = train_like_one_process(topo)    # the mesh's groups, and plain data parallelism (torch AdamW)
     torch.manual_seed(0)
     model = build("tiny", n_layers=1)
     ref = copy.deepcopy(model) if topo.rank == 0 else None
@@ -161,8 +165,7 @@ def _zero_train(args: dict) -> dict:
                if ref is not None else None,
                backend=dist.get_backend(), device=str(topo.device), steps=opt.stats["steps"],
                graphs=int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
-               sp_ranks=dist.get_process_group_ranks(topo.sp_group),
-               dp_ranks=dist.get_process_group_ranks(topo.dp_group), coords=[topo.dp_rank, topo.sp_rank])
+               mesh=mesh_check)
     sd.shutdown()
     return out
 
@@ -181,29 +184,43 @@ def _env() -> dict:
             "OMP_NUM_THREADS": "1"}
 
 
-def test_two_nodes_of_two_ranks_train_compiled_dp2_sp2_like_one_process():
+@pytest.fixture(scope="module")
+def two_nodes() -> list[dict]:
+    """The 2-node job, run once for the tests below: each rank's result, in rank order."""
     out = pathlib.Path(tempfile.mkdtemp(prefix="socompile-2nodes-"))
     try:
         port = free_port()
         nodes = run_commands([_node_command(n, port, out) for n in (0, 1)], timeout_s=300, env=_env(), cwd=ROOT)
         for node in nodes:
             assert node.returncode == 0, f"{node.argv}\n{node.output[-4000:]}"
-        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+        return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
     finally:
         shutil.rmtree(out, ignore_errors=True)
+
+
+def test_two_nodes_of_two_ranks_train_compiled_dp2_sp2_like_one_process(two_nodes):
+    ranks = two_nodes
     # two nodes of two ranks each, joined by the rendezvous into one world of 4
     assert sorted((r["GROUP_RANK"], r["LOCAL_RANK"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(r["WORLD_SIZE"] == 4 and r["backend"] == "gloo" and r["device"] == "cpu" for r in ranks)
-    # the mesh: sequence groups are consecutive ranks, data groups stride by sp
-    assert [r["sp_ranks"] for r in ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
-    assert [r["dp_ranks"] for r in ranks] == [[0, 2], [1, 3], [0, 2], [1, 3]]
-    assert [r["coords"] for r in ranks] == [[0, 0], [0, 1], [1, 0], [1, 1]]
     assert all(r["steps"] == STEPS and r["graphs"] >= 1 for r in ranks), "every rank trains through a compile"
     assert len({r["sha"] for r in ranks}) == 1, "every rank must hold bitwise the same weights"
     assert all(r["norms"] == ranks[0]["norms"] for r in ranks), "every rank must clip by the same global norm"
     for ours, theirs in zip(ranks[0]["norms"], ranks[0]["ref_norms"]):
         assert math.isfinite(ours) and abs(ours - theirs) <= NORM_RTOL * theirs, (ours, theirs)
     assert ranks[0]["err"] < TOL, ranks[0]["err"]
+
+
+def test_dp2_sp2_on_four_ranks_trains_like_one_process(two_nodes):
+    # (was tests/test_dist_mesh.py's 4-rank case) Ranks (0, 1) and (2, 3) share sequences; (0, 2) and (1, 3)
+    # share shards.
+    from test_dist_mesh import check_mesh
+
+    results = [r["mesh"] for r in two_nodes]
+    check_mesh(results, dp=2, sp=2)
+    assert [r["sp_ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["dp_ranks"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [r["coords"] for r in results] == [[0, 0], [0, 1], [1, 0], [1, 1]]
 
 
 # --------------------------------------------------------------------------- the documented torchrun commands

@@ -1,5 +1,7 @@
 """The (dp, sp) mesh: group membership for DP=1 x SP=2 and DP=2 x SP=1 on 2 gloo ranks, and plain data
-parallelism over the dp group equal to one process on the global batch.
+parallelism over the dp group equal to one process on the global batch. One 2-rank job (one process group)
+builds both meshes and the wrong one; each test checks its part. DP=2 x SP=2 runs on 4 ranks as two torchrun
+"nodes" in tests/test_dist_launch.py (the same checks, ``train_like_one_process``).
 
 Tolerance: the sharded runs sum each gradient element in another order (a batch or sequence split over the
 ranks): the typical (random-walk) error of a sum of K <= 64 fp32 terms of size ~1e-3 is sqrt(K) * 2^-24 * 1e-3
@@ -23,12 +25,29 @@ EPS = 1e-6   # Adam's eps: bounds how much it amplifies rounding differences (se
 
 
 def _mesh_worker(args: dict) -> dict:
+    import socompile.distributed as sd
+
+    first, *others = args["meshes"]
+    results = {f"{first[0]}x{first[1]}": train_like_one_process(sd.init_distributed(*first, timeout_s=30))}
+    for dp, sp in others:
+        results[f"{dp}x{sp}"] = train_like_one_process(sd.make_topology(dp, sp, timeout_s=30))
+    try:   # every rank raises before any group is made: nothing collective is left half done
+        sd.make_topology(*args["wrong"], timeout_s=30)
+        results["wrong"] = None
+    except ValueError as exc:
+        results["wrong"] = str(exc)
+    sd.shutdown()
+    return results
+
+
+def train_like_one_process(topo) -> dict:
+    """The mesh's groups, and 3 steps of plain data parallelism (torch.optim.AdamW, gradients averaged over the
+    world group) against one process on the global batch: the largest weight difference."""
     import torch.distributed as dist
 
     import socompile.distributed as sd
     from socompile.models import build
 
-    topo = sd.init_distributed(dp=args["dp"], sp=args["sp"], timeout_s=30)
     out = {"dp_ranks": dist.get_process_group_ranks(topo.dp_group),
            "sp_ranks": dist.get_process_group_ranks(topo.sp_group),
            "world_ranks": dist.get_process_group_ranks(topo.world_group),
@@ -53,44 +72,44 @@ def _mesh_worker(args: dict) -> dict:
         F.cross_entropy(ref(x).flatten(0, 1), y.flatten()).backward()
         ref_opt.step(), ref_opt.zero_grad()
     out["param_err"] = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
-    sd.shutdown()
     return out
 
 
-def _run(dp, sp):
-    results = run_local(f"{HERE}:_mesh_worker", dp * sp, {"dp": dp, "sp": sp}, timeout_s=120)
+def check_mesh(results: list[dict], dp: int, sp: int) -> None:
+    for r in results:
+        assert r["param_err"] < 1e-5, r
+        assert r["world_ranks"] == list(range(dp * sp))
+        assert r["mesh_dims"] == ["dp", "sp"] and r["mesh_shape"] == [dp, sp]
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    results = run_local(f"{HERE}:_mesh_worker", 2, {"meshes": [[1, 2], [2, 1]], "wrong": [2, 2]}, timeout_s=120)
     for r in results:
         assert r.returncode == 0, f"rank {r.rank}:\n{r.output[-3000:]}"
-        assert r.result["param_err"] < 1e-5, r.result
-        assert r.result["world_ranks"] == list(range(dp * sp))
-        assert r.result["mesh_dims"] == ["dp", "sp"] and r.result["mesh_shape"] == [dp, sp]
     return [r.result for r in results]
 
 
-def test_dp1_sp2_puts_both_ranks_in_the_sequence_group():
-    r0, r1 = _run(dp=1, sp=2)
+def _mesh(two_ranks, dp, sp) -> list[dict]:
+    results = [r[f"{dp}x{sp}"] for r in two_ranks]
+    check_mesh(results, dp, sp)
+    return results
+
+
+def test_dp1_sp2_puts_both_ranks_in_the_sequence_group(two_ranks):
+    r0, r1 = _mesh(two_ranks, dp=1, sp=2)
     assert r0["sp_ranks"] == r1["sp_ranks"] == [0, 1]
     assert (r0["dp_ranks"], r1["dp_ranks"]) == ([0], [1])
     assert (r0["coords"], r1["coords"]) == ([0, 0], [0, 1])
 
 
-def test_dp2_sp1_puts_both_ranks_in_the_data_group():
-    r0, r1 = _run(dp=2, sp=1)
+def test_dp2_sp1_puts_both_ranks_in_the_data_group(two_ranks):
+    r0, r1 = _mesh(two_ranks, dp=2, sp=1)
     assert r0["dp_ranks"] == r1["dp_ranks"] == [0, 1]
     assert (r0["sp_ranks"], r1["sp_ranks"]) == ([0], [1])
     assert (r0["coords"], r1["coords"]) == ([0, 0], [1, 0])
 
 
-def test_degrees_that_do_not_match_the_world_are_an_error():
-    results = run_local(f"{HERE}:_mesh_worker", 2, {"dp": 2, "sp": 2}, timeout_s=60)
-    assert all(r.returncode != 0 for r in results)
-    assert "dp * sp = 2 * 2 = 4, but 2 processes were launched" in results[0].output
-
-
-@pytest.mark.slow
-def test_dp2_sp2_on_four_ranks_trains_like_one_process():
-    # 4 processes on 2 cores: slow. Ranks (0, 1) and (2, 3) share sequences; (0, 2) and (1, 3) share shards.
-    results = _run(dp=2, sp=2)
-    assert [r["sp_ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
-    assert [r["dp_ranks"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
-    assert [r["coords"] for r in results] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+def test_degrees_that_do_not_match_the_world_are_an_error(two_ranks):
+    for r in two_ranks:   # on every rank
+        assert r["wrong"] and "dp * sp = 2 * 2 = 4, but 2 processes were launched" in r["wrong"], r["wrong"]

@@ -21,13 +21,28 @@ from socompile.distributed.ulysses import SequenceParallelError, check_heads
 HERE = str(pathlib.Path(__file__).resolve())
 
 
+# One 2-rank job (one process group) runs every case; each test checks its own. The compiled case uses one
+# layer: the compile, not the model, is what it tests, and it is most of the job's time.
+CASES = {"gqa": {"heads": 4, "kv_heads": 2, "seq": 32, "layers": 2},
+         "kv-repeat": {"heads": 4, "kv_heads": 1, "seq": 16, "layers": 2},
+         "compiled": {"heads": 4, "kv_heads": 2, "seq": 32, "layers": 1, "compile": True}}
+
+
 def _sp_worker(args: dict) -> dict:
+    import socompile.distributed as sd
+
+    topo = sd.init_distributed(sp=2, timeout_s=30)
+    results = {name: _sp_case(topo, case) for name, case in args["cases"].items()}
+    sd.shutdown()
+    return results
+
+
+def _sp_case(topo, args: dict) -> dict:
     import socompile.distributed as sd
     from socompile.models import build
 
-    topo = sd.init_distributed(sp=2, timeout_s=30)
     torch.manual_seed(0)
-    model = build("tiny", n_heads=args["heads"], n_kv_heads=args["kv_heads"], n_layers=2)
+    model = build("tiny", n_heads=args["heads"], n_kv_heads=args["kv_heads"], n_layers=args["layers"])
     ref = copy.deepcopy(model)
     tokens = torch.randint(0, 256, (2, args["seq"] + 1), generator=torch.Generator().manual_seed(1))
     x, y = tokens[:, :-1], tokens[:, 1:]
@@ -44,9 +59,9 @@ def _sp_worker(args: dict) -> dict:
     grad_err = max(((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)).item()
                    for p, q in zip(model.parameters(), ref.parameters()))
     names_same = [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
-    sd.shutdown()
     return {"logit_err": (full_logits - ref_logits.detach()).abs().max().item(), "grad_err": grad_err,
-            "names_same": names_same, "topology": topo.describe()}
+            "names_same": names_same, "topology": topo.describe(),
+            "graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"])}
 
 
 def sd_backend():
@@ -54,28 +69,35 @@ def sd_backend():
     return socompile.SuperOffload(compute="eager", gpu_buckets=0)
 
 
-def _check(results, logit_atol=2e-5, grad_rtol=1e-5):
+@pytest.fixture(scope="module")
+def sp_runs() -> list[dict]:
+    results = run_local(f"{HERE}:_sp_worker", 2, {"cases": CASES}, timeout_s=240)
     for r in results:
         assert r.returncode == 0, f"rank {r.rank} failed:\n{r.output[-3000:]}"
-        assert r.result["names_same"], "parallelize must keep parameter names"
-        assert r.result["logit_err"] < logit_atol, r.result
-        assert r.result["grad_err"] < grad_rtol, r.result
+    return [r.result for r in results]
 
 
-def test_sp2_forward_and_gradients_equal_one_process_gqa():
+def _check(sp_runs, case: str, logit_atol=2e-5, grad_rtol=1e-5):
+    for ranks in sp_runs:
+        r = ranks[case]
+        assert r["names_same"], "parallelize must keep parameter names"
+        assert r["logit_err"] < logit_atol, r
+        assert r["grad_err"] < grad_rtol, r
+
+
+def test_sp2_forward_and_gradients_equal_one_process_gqa(sp_runs):
     # 4 query heads, 2 kv heads: each rank gets 2 query heads and their 1 kv head
-    _check(run_local(f"{HERE}:_sp_worker", 2, {"heads": 4, "kv_heads": 2, "seq": 32}, timeout_s=60))
+    _check(sp_runs, "gqa")
 
 
-def test_sp2_repeats_kv_heads_when_fewer_than_ranks():
+def test_sp2_repeats_kv_heads_when_fewer_than_ranks(sp_runs):
     # 1 kv head over 2 ranks: kv is repeated to 2 heads before the all-to-all
-    _check(run_local(f"{HERE}:_sp_worker", 2, {"heads": 4, "kv_heads": 1, "seq": 16}, timeout_s=60))
+    _check(sp_runs, "kv-repeat")
 
 
-@pytest.mark.slow
-def test_sp2_through_superoffload_compile_equals_one_process():
-    _check(run_local(f"{HERE}:_sp_worker", 2, {"heads": 4, "kv_heads": 2, "seq": 32, "compile": True},
-                     timeout_s=180))
+def test_sp2_through_superoffload_compile_equals_one_process(sp_runs):
+    _check(sp_runs, "compiled")
+    assert all(ranks["compiled"]["graphs"] >= 1 for ranks in sp_runs), "the compiled case must compile"
 
 
 def test_heads_not_divisible_by_sp_is_a_clear_error():
