@@ -30,6 +30,13 @@ def test_the_analytic_minimum_counts_the_dtype_the_link_carries():
         ring_share(0)
 
 
+def test_a_byte_count_of_no_dtype_is_refused():
+    bench = _bench()
+    assert bench.carried_dtype(2.0) == torch.bfloat16 and bench.carried_dtype(4) == torch.float32
+    with pytest.raises(RuntimeError, match="3.5 bytes per element handed to the collectives: not one dtype's size"):
+        bench.carried_dtype(3.5)
+
+
 def test_zero_bytes_per_step_within_5_percent_of_the_minimum_and_the_anchor_at_it():
     bench = _bench()
     rows = bench.measure(steps=2, model={"n_layers": 1}, bucket="40KB")

@@ -117,6 +117,15 @@ def test_more_local_ranks_than_devices_is_a_clear_error_before_joining(monkeypat
     assert fake.set_calls == []
 
 
+def test_a_local_rank_that_is_not_an_integer_is_a_clear_error(monkeypatch):
+    fake = _FakeCuda(count=2)
+    fake.install(monkeypatch)
+    monkeypatch.setenv("LOCAL_RANK", "x")
+    with pytest.raises(ValueError, match="LOCAL_RANK='x' is not an integer"):
+        mesh.select_device()
+    assert fake.set_calls == []
+
+
 def test_a_cuda_device_without_cuda_is_a_clear_error(monkeypatch):
     with pytest.raises(RuntimeError, match="device='cuda:1', but CUDA is not available"):
         _init_recording(monkeypatch, _FakeCuda(count=0), local_rank=0, device="cuda:1")
