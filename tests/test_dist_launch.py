@@ -233,13 +233,16 @@ def test_dp2_sp2_on_four_ranks_trains_like_one_process(two_nodes):
 
 
 # --------------------------------------------------------------------------- the documented torchrun commands
-def documented_torchrun_commands() -> list[str]:
-    """Every torchrun line of README.md and docs/distributed.md, an optional ``[--flag]`` expanded both ways."""
+def documented_torchrun_commands(multi_node: bool = False) -> list[str]:
+    """Every torchrun command in the code blocks of README.md and docs/distributed.md (lines joined at a trailing
+    backslash), an optional ``[--flag]`` expanded both ways: the single-node ones, or (``multi_node``) those
+    with --nnodes."""
     found = []
     for doc in ("README.md", "docs/distributed.md"):
-        for line in (ROOT / doc).read_text().splitlines():
-            line = line.split("#")[0].strip()
-            if not line.startswith("torchrun "):
+        blocks = (ROOT / doc).read_text().replace("\\\n", " ").split("```")[1::2]   # inside code fences
+        for line in "\n".join(blocks).splitlines():
+            line = " ".join(line.split("#")[0].split())
+            if not line.startswith("torchrun ") or ("--nnodes" in line) != multi_node:
                 continue
             optional = re.search(r"\s*\[([^\]]+)\]", line)
             variants = [line] if not optional else [line.replace(optional.group(0), ""),
@@ -251,6 +254,16 @@ def documented_torchrun_commands() -> list[str]:
 def test_the_docs_name_the_three_quick_start_runs():
     assert [c.split("examples/dist_train.py")[1].strip() for c in documented_torchrun_commands()] == \
         ["--dp 2", "--sp 2", "--sp 2 --compile"]
+
+
+def test_the_documented_multi_node_command_has_the_shape_the_two_node_test_runs():
+    (command,) = documented_torchrun_commands(multi_node=True)
+    documented = command.split()
+    ours = _node_command(0, 29400, ROOT)
+    for flag in ("--nnodes", "--nproc-per-node", "--rdzv-backend"):
+        assert documented[documented.index(flag) + 1] == ours[ours.index(flag) + 1], flag
+    assert documented[documented.index("--rdzv-endpoint") + 1] == "HOST:29400"
+    assert documented[documented.index("examples/dist_train.py") + 1:] == ["--dp", "2", "--sp", "2"]
 
 
 @pytest.mark.parametrize("command", documented_torchrun_commands())
