@@ -151,7 +151,6 @@ def test_dp3_pads_buckets_to_a_multiple_of_the_world_and_still_equals_one_proces
     assert r0["padded_buckets"] > 0
 
 
-@pytest.mark.slow
 def test_dp2_compiled_equals_one_process_with_clipping_and_speculation():
     # Gradients reach the optimizer inside the compiled backward, so the NaN is injected through rank 1's loss.
     r0, _ = _check({"compile": True, "clip": 0.5, "nan": "loss", "steps": 10})
@@ -318,7 +317,7 @@ def _mirror_results(dtype: str, compile: bool = False) -> list[dict]:
     return [r.result for r in results]
 
 
-@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_dp2_separate_host_master_fp32_equals_the_shared_dp2_run_bitwise(compile):
     # host_master="separate" forced on fp32 CPU parameters: the same kernel on the same reduce-scattered
     # gradients, in the same order, so weights, fp32 master and global norms are bitwise those of shared mode.
