@@ -143,14 +143,12 @@ def runtime_device_bytes(plan, ir, align: int | None = None) -> dict:
                       ("weight-flow buffers", peak), ("upload staging", staging))}
 
 
-def device_cast_buckets(plan) -> list:
+def device_cast_buckets(plan, weight_bytes: int | None = None) -> list:
     """The buckets whose uploads the device casts: CPU-stepped, stationary, low-precision weights, and the plan
     put the cast on the device (``cast_site == "device"``, NVLink-C2C plans): the fp32 master crosses into an
     fp32 device staging buffer and the device casts it into the weights (runtime/host_master.py ``upload``)."""
-    if plan.prediction("param_dtype_bytes", 4) != 2:
-        return []
     return [b for b in plan.buckets if b.optimizer_site == "cpu" and b.weight_mode == "stationary"
-            and b.cast_site == "device"]
+            and b.cast_site == "device"] if (weight_bytes or plan.prediction("param_dtype_bytes", 4)) == 2 else []
 
 
 def upload_staging_bytes(plan, ir, align: int | None = None) -> int:

@@ -304,7 +304,7 @@ class HostMasterCopies:
             else:
                 dst.copy_(flat_real(g))
             self.has_grad[i] = True
-        if self.mirror:    # the CPU build's host copy stands for the link a separate master's gradients cross
+        if self.mirror and self.site == "cpu":   # the CPU build's host copy stands for the link the gradients cross
             self._count_gradients([(self.grad[self.segment(i)], None) for i in segments])
 
     def _count_gradients(self, pairs) -> None:
