@@ -184,8 +184,8 @@ class HostMasterCopies:
 
     def _upload_cast_on_device(self) -> None:
         """The plan's cast_site "device": the fp32 master crosses into a device staging buffer and the device
-        casts it into the weights, both on the "h2d" stream (the next upload that reuses this staging buffer is
-        queued behind the cast on the same stream). CPU build: the same two copies, in host memory."""
+        casts it into the weights, both on the "h2d" stream. The staging buffer is reused two uploads later, once
+        the cast that read it is done (``UploadStaging.take``). CPU build: the same two copies, in host memory."""
         staging, slot = self.upload_staging.take(self.numel)
         self.traffic.add_copy("h2d", WEIGHT_UPLOAD, staging)
         rt = self.runtime
