@@ -147,6 +147,8 @@ def lay_out_buckets(ctx: CompileContext) -> None:
                                 rollback=["inverse" if b.rollback == "inverse" else "pingpong" for b in buckets],
                                 sites=[b.optimizer_site for b in buckets],
                                 weight_modes=[b.weight_mode for b in buckets],
+                                link_dtypes=[b.link_dtype for b in buckets],
+                                cast_sites=[b.cast_site for b in buckets],
                                 origin=ctx.origin)
     ctx.claim_handle = claim.handle
     for bucket in claim.buckets:   # option optimizer_threads: the CPU kernel's threads for these buckets
@@ -164,7 +166,8 @@ def _bind_runtime(ctx: CompileContext, claim) -> None:
 
     kind = _runtime_kind(ctx)
     device = ctx.param_objects[next(iter(ctx.param_objects))].device
-    ctx.offload = OffloadRuntime(ctx.plan, claim.buckets, device_runtime(device, kind), events=ctx.optimizer.events)
+    ctx.offload = OffloadRuntime(ctx.plan, claim.buckets, device_runtime(device, kind), events=ctx.optimizer.events,
+                                 traffic=ctx.optimizer.traffic_ledger)
     claim.offload_runtimes = [*getattr(claim, "offload_runtimes", []), ctx.offload]
     ctx.flow_schedule = flow_schedule(ctx.plan, ctx.ir)
 
@@ -194,7 +197,8 @@ def _bind_activation_runtime(ctx: CompileContext) -> None:
         return   # the forward pass says so and keeps the activations
     from .runtime.activation_offload import ActivationOffloadRuntime
     weights = ctx.offload
-    ctx.activation_offload = ActivationOffloadRuntime(weights.device, ledger=weights.ledger, events=weights.events)
+    ctx.activation_offload = ActivationOffloadRuntime(weights.device, ledger=weights.ledger, events=weights.events,
+                                                      traffic=weights.traffic)
     weights.activations = ctx.activation_offload
 
 

@@ -14,6 +14,8 @@ A race the emulator makes visible moves a whole tensor to NaN or by ~lr, far out
 master against an fp32 master copy stepped by torch.optim.AdamW on the upcast bf16 gradients, with the bound of
 test_device_mirror's Inductor bf16 test (Inductor rounds bf16 once per fused kernel, eager after every op; an
 element whose gradient is near zero may step ~lr either way): worst element <= 2 * lr * steps, mean <= 1e-4.
+Accumulated bf16 micro-batches add in bf16 on both sides (the landing buffer has the link dtype, as eager's
+``.grad`` has the parameters'), so accumulation adds no error of its own to that bound.
 
 Seeds (different delays, so different interleavings of the copies with the compute and the optimizer's worker
 thread, and different data): the default suite runs every case at 3 seeds on one compile per case (compiles
@@ -29,6 +31,8 @@ import torch
 
 import socompile
 from socompile.models import build
+from socompile.plan.memory import runtime_device_bytes
+from socompile.plan.transfers import per_step_traffic
 from socompile.runtime.emulated_cuda import emulated_device
 from training_helpers import batches, lm_loss
 
@@ -42,7 +46,9 @@ CASES = {
     "flow_d1": dict(options=dict(weight_mode="flow", prefetch_distance=1)),
     "flow_d3": dict(options=dict(weight_mode="flow", prefetch_distance=3)),
     "gpu_buckets": dict(options=dict(gpu_buckets=3, weight_mode="stationary")),
-    "bf16": dict(options=dict(weight_mode="stationary"), dtype=torch.bfloat16),
+    "bf16": dict(options=dict(weight_mode="stationary", cast_site="device"), dtype=torch.bfloat16),
+    "bf16_cast_cpu_accumulate2": dict(options=dict(weight_mode="stationary", cast_site="cpu"), dtype=torch.bfloat16,
+                                      accumulate=2),
     "clip_nonfinite": dict(options=dict(weight_mode="stationary"), clip=0.05, nan_at=(1,)),
     "accumulate4": dict(options=dict(weight_mode="stationary"), accumulate=4),
     "activations_offload": dict(options=dict(weight_mode="stationary", activations="offload")),
@@ -158,6 +164,17 @@ def check_case(monkeypatch, case, seed, reseeds=(None,)):
     assert all(b.runtime is not graph_runtime and b.runtime.api is graph_runtime.api is device for b in opt.buckets)
     assert_matches_reference(ours, ref, opt)
     check_features(case, opt, backend, history, len(reseeds))
+    assert_traffic_as_planned(case, opt, backend)
+
+
+def assert_traffic_as_planned(case, opt, backend):
+    """The link traffic of the last step (opt.traffic(), counted at the runtime's copy sites) is the plan's
+    per-bucket transfer list summed over one step, byte for byte, per direction, dtype and purpose; and the
+    runtime's device ledger holds what the plan predicts (the fp32 upload staging of device casts included)."""
+    ctx = backend.compiled[0]
+    planned = per_step_traffic(ctx.plan, ctx.ir, CASES[case].get("accumulate", 1))
+    assert opt.traffic() == planned, (opt.traffic(), planned)
+    assert ctx.offload.ledger.summary()["current"] == runtime_device_bytes(ctx.plan, ctx.ir)["fixed"]
 
 
 def check_features(case, opt, backend, history, segments=1):
@@ -172,6 +189,15 @@ def check_features(case, opt, backend, history, segments=1):
         assert all(clipped for skipped, clipped in history if not skipped)   # clipped every finite step
     if "offload" in case:
         assert ctx.activation_offload.stats["fetched_tensors"] > 0
+    if case.startswith("bf16"):   # gradients land as they crossed (bf16); the kernel reads them directly
+        assert all(b.link_dtype == "bfloat16" for b in ctx.plan.buckets)
+        assert all(b.grad.dtype == torch.bfloat16 and b.master.dtype == torch.float32 for b in opt.buckets)
+        staging = ctx.offload.ledger.summary()["by_category"].get("upload staging", 0)
+        if CASES[case]["options"]["cast_site"] == "device":   # the fp32 master crosses; the device casts it
+            assert staging == 2 * 4 * max(b.numel for b in opt.buckets) and all(b.device_casts for b in opt.buckets)
+            assert all(b._stage16 is None for b in opt.buckets)   # no host bf16 copy was made
+        else:
+            assert staging == 0 and not any(b.device_casts for b in opt.buckets)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -73,3 +73,28 @@ def test_unknown_schedule_is_rejected():
     d = _details()
     with pytest.raises(ValueError, match="schedule"):
         simulate(d.plan, d.costs, d.cost, "zero-7")
+
+
+def test_the_simulated_transfers_move_the_bytes_of_the_plans_transfer_list():
+    """One list for the simulator and the runtime (plan/transfers.py): the simulated step's gradient copies,
+    uploads, flow fetches and activation copies move, per purpose, what per_step_traffic says a step moves
+    (the runtime's opt.traffic() is tested equal to the same sums in tests/test_emulated_training.py)."""
+    from socompile.plan.transfers import per_step_traffic
+    ir = traced(bf16=True)
+    # every kind of bucket in one plan: flow, stationary cast on the device, GPU-stepped; offloaded activations
+    d = plan_with_details(ir, profile(), options(gpu_buckets=1, weight_mode="flow:0,2", prefetch_distance=1,
+                                                 cast_site="device", activations="offload"))
+    assert {(b.weight_mode, b.optimizer_site) for b in d.plan.buckets} >= {("flow", "cpu"), ("stationary", "cpu")}
+    purpose = {"grads": "gradients", "upload": "weight upload", "prefetch": "flow fetch", "act out":
+               "activation offload", "act in": "activation fetch"}
+    simulated: dict[str, float] = {}
+    for t in d.simulation.tasks:
+        if t.kind == "transfer":
+            name = next(p for n, p in purpose.items() if t.name.startswith(n) or f" {n} " in t.name)
+            simulated[name] = simulated.get(name, 0) + t.nbytes
+    planned: dict[str, int] = {}
+    for (_, _, name), nbytes in per_step_traffic(d.plan, ir, layers=d.costs.layers).items():
+        planned[name] = planned.get(name, 0) + nbytes
+    assert simulated == pytest.approx(planned, rel=1e-12) and "gradients" in planned
+    assert ("weight upload" in planned) == any(b.weight_mode == "stationary" and b.optimizer_site == "cpu"
+                                               for b in d.plan.buckets)

@@ -25,6 +25,16 @@ def test_table_collapses_identical_layers_into_one_row(details):
     assert "device peak" in text and "ZeRO-Offload" in text
 
 
+def test_table_prints_the_link_traffic_the_plan_predicts_per_step(details):
+    """One line: per direction, the bytes of the plan's transfer list (plan/transfers.py), as opt.traffic()
+    counts them at run time."""
+    from socompile.units import human_bytes
+    line = next(x for x in plan_table(details.plan).splitlines() if x.startswith("link per step"))
+    traffic = dict(details.plan.prediction("link_bytes_per_step"))
+    d2h = sum(v for k, v in traffic.items() if k.startswith("d2h"))
+    assert traffic["d2h bfloat16 gradients"] > 0 and f"d2h {human_bytes(d2h)} (gradients bfloat16" in line
+
+
 def test_json_report_round_trips(details):
     data = json.loads(plan_json(details.plan))
     assert data["buckets"][0]["cast_reason"] and data["target"] == "gh200"

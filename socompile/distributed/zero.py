@@ -120,10 +120,10 @@ class ZeroSharding:
         # optimisation (docs/distributed.md).
         bucket.wait_grads()
         send = bucket.grad
-        if shard.padded != bucket.numel:
-            send = torch.zeros(shard.padded, dtype=bucket.grad.dtype)
+        if shard.padded != bucket.numel or send.dtype != bucket.state_dtype:   # a bf16 landing buffer: sum in fp32
+            send = torch.zeros(shard.padded, dtype=bucket.state_dtype)
             send[:bucket.numel].copy_(bucket.grad)
-        recv = torch.empty(shard.chunk, dtype=bucket.grad.dtype)
+        recv = torch.empty(shard.chunk, dtype=bucket.state_dtype)
         with guard(f"reduce-scatter of bucket {bucket.index}", self.group):
             work = dist.reduce_scatter_single(recv, send, op=dist.ReduceOp.SUM, group=self.group, async_op=True) \
                 if hasattr(dist, "reduce_scatter_single") else \

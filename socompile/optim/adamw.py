@@ -37,6 +37,7 @@ from ..runtime.events import EventLog
 from ..runtime.flat_bucket import FlatBucket, real_dtype
 from ..runtime.host_master import upload_order
 from ..runtime.speculation import Speculator, clip_coefficient
+from ..runtime.traffic import TrafficLedger
 from ..runtime.worker import CPUWorker
 from . import state_dict as optimizer_state
 from .graph_claim import ClaimLayout, Claims, GraphClaim, GraphOrigin
@@ -109,6 +110,7 @@ class AdamW(torch.optim.Optimizer):
         self.bucket_size = parse_bytes(bucket_size, "bucket_size")
         self.grad_accumulation_steps = grad_accumulation_steps
         self.events = EventLog()
+        self.traffic_ledger = TrafficLedger()   # bytes its copies move over the link, per step (``traffic()``)
         self.last_grad_norm: float | None = None
         self.last_step_skipped = False
         self._worker: CPUWorker | None = None
@@ -218,7 +220,8 @@ class AdamW(torch.optim.Optimizer):
                                         indices=[-1 - k for k in range(len(groups))])
 
     def _make_buckets(self, param_lists: list[list[nn.Parameter]], indices: list[int],
-                      sites: list[str] | None = None, flow: list[bool] | None = None) -> list[FlatBucket]:
+                      sites: list[str] | None = None, flow: list[bool] | None = None,
+                      link_dtypes: list[str] | None = None, cast_sites: list[str] | None = None) -> list[FlatBucket]:
         made, shard = [], None
         if self._sharding is not None:   # ZeRO: new buckets keep state for this rank's window only ...
             shard = (self._sharding.rank, self._sharding.world)
@@ -231,7 +234,9 @@ class AdamW(torch.optim.Optimizer):
             if self.host_master == "separate" and params:
                 runtime = self._runtimes.get(params[0].device, self.runtime_kind)
             bucket = FlatBucket(index, params, shard=shard, host_master=self.host_master,
-                                site=sites[k] if sites else "cpu", flow=bool(flow and flow[k]), runtime=runtime)
+                                site=sites[k] if sites else "cpu", flow=bool(flow and flow[k]), runtime=runtime,
+                                link_dtype=link_dtypes[k] if link_dtypes else None,
+                                cast_site=cast_sites[k] if cast_sites else "cpu", traffic=self.traffic_ledger)
             bucket.adopt(self._slot)
             bucket.group_of = [self._group_index[id(p)] for p in params]
             bucket.rollback_mode = self.rollback
@@ -256,20 +261,24 @@ class AdamW(torch.optim.Optimizer):
 
     def claim(self, param_lists: list[list[nn.Parameter]], early_step: list[bool] | None = None,
               rollback: list[str] | None = None, sites: list[str] | None = None,
-              weight_modes: list[str] | None = None, origin: GraphOrigin | None = None) -> GraphClaim:
+              weight_modes: list[str] | None = None, link_dtypes: list[str] | None = None,
+              cast_sites: list[str] | None = None, origin: GraphOrigin | None = None) -> GraphClaim:
         """Lay out the buckets a compiled backward graph feeds (called by the backend at compile time).
         ``early_step[i]``: bucket i may be stepped by the CPU worker as its gradients arrive; otherwise (a
         device-resident bucket, or speculation turned off) it is stepped in ``step()`` after validation.
         ``rollback[i]``: the plan's rollback mode of bucket i ("pingpong" or "inverse"); default: the
         optimizer's ``rollback`` argument. ``sites[i]``: the plan's optimizer site ("cpu" or "device") and
         ``weight_modes[i]`` ("stationary" or "flow"): with a separate host master they place the bucket's state
-        on the device, or free its device weights between uses. ``origin``: the graph's Dynamo frame.
+        on the device, or free its device weights between uses. ``link_dtypes[i]`` (the plan's link dtype: the
+        dtype gradients cross the link in, so the dtype of the host landing buffer of a separate master) and
+        ``cast_sites[i]`` (where bf16 weights are cast from the fp32 master: "cpu" or "device").
+        ``origin``: the graph's Dynamo frame.
         A recompile of the same graph (same parameters) gets its existing claim back; a new graph takes the
         parameters it shares with older claims over (see graph_claim.py), unless both are pieces of one
         graph-broken region, whose backward passes would both produce the shared gradients."""
         self._check_not_taken_over()
         self._wait_pending()
-        layout = ClaimLayout.of(param_lists, early_step, rollback, sites, weight_modes)
+        layout = ClaimLayout.of(param_lists, early_step, rollback, sites, weight_modes, link_dtypes, cast_sites)
         if any(i not in self._group_index for i in layout.key):
             raise ValueError("the compiled graph's parameter is not in this optimizer")
         claim = self._claims.get_or_add(self, layout, origin or GraphOrigin())
@@ -286,6 +295,8 @@ class AdamW(torch.optim.Optimizer):
         claim.buckets[:] = self._make_buckets(**claim.layout.bucket_args())
         for bucket, mode in zip(claim.buckets, claim.layout.rollback or ()):
             bucket.rollback_mode = mode
+        for runtime in getattr(claim, "offload_runtimes", ()):   # the graph's device staging of its uploads
+            runtime.attach_upload_staging()
         claim.active = True
         self._rebuild_pool()
 
@@ -415,7 +426,16 @@ class AdamW(torch.optim.Optimizer):
         for bucket in buckets:
             bucket.reset_iteration()
         self._speculator.begin_step()
+        self.traffic_ledger.end_step()
         return loss
+
+    def traffic(self) -> dict[tuple[str, str, str], int]:
+        """Bytes the runtime moved over the host-device link in the last step (from the end of the previous
+        ``step()`` to the end of the last one: its forwards, backwards and step), by (direction, dtype,
+        purpose): direction "d2h" or "h2d", dtype the name of what crossed ("bfloat16", "float32"), purpose
+        "gradients", "weight upload", "flow fetch", "activation offload" or "activation fetch"
+        (runtime/traffic.py). The plan predicts the same dict (socompile.plan.transfers.per_step_traffic)."""
+        return dict(self.traffic_ledger.last)
 
     def _upload_final(self, bucket: FlatBucket) -> None:
         """Separate host master: upload ``bucket`` as soon as its step is final (committed, redone, stepped

@@ -46,13 +46,17 @@ class ClaimLayout:
     rollback: tuple[str, ...] | None
     sites: tuple[str, ...] | None
     flow: tuple[bool, ...] | None
+    link_dtypes: tuple[str, ...] | None = None   # the plan's BucketPlan.link_dtype: the gradient landing dtype
+    cast_sites: tuple[str, ...] | None = None    # the plan's BucketPlan.cast_site: where uploads are cast
 
     @classmethod
-    def of(cls, param_lists, early_step=None, rollback=None, sites=None, weight_modes=None) -> "ClaimLayout":
+    def of(cls, param_lists, early_step=None, rollback=None, sites=None, weight_modes=None, link_dtypes=None,
+           cast_sites=None) -> "ClaimLayout":
         return cls(tuple(tuple(ps) for ps in param_lists),
                    tuple(early_step) if early_step is not None else (True,) * len(param_lists),
                    tuple(rollback) if rollback else None, tuple(sites) if sites else None,
-                   tuple(m == "flow" for m in weight_modes) if weight_modes else None)
+                   tuple(m == "flow" for m in weight_modes) if weight_modes else None,
+                   tuple(link_dtypes) if link_dtypes else None, tuple(cast_sites) if cast_sites else None)
 
     @property
     def key(self) -> frozenset[int]:
@@ -61,7 +65,9 @@ class ClaimLayout:
     def bucket_args(self) -> dict:
         """``AdamW._make_buckets``' arguments for this layout."""
         return dict(param_lists=[list(ps) for ps in self.param_lists], indices=list(range(len(self.param_lists))),
-                    sites=list(self.sites) if self.sites else None, flow=list(self.flow) if self.flow else None)
+                    sites=list(self.sites) if self.sites else None, flow=list(self.flow) if self.flow else None,
+                    link_dtypes=list(self.link_dtypes) if self.link_dtypes else None,
+                    cast_sites=list(self.cast_sites) if self.cast_sites else None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,6 +76,7 @@ class GraphCosts:
     bw_attention: tuple = ()
     token_shard: int = 1               # sequence-parallel degree the per-rank numbers were divided by
     attention_bytes: tuple = ()        # per forward attention: bytes of q, k, v and its output on one rank
+    param_numels: dict = dataclasses.field(default_factory=dict)   # param -> elements (buckets' padded layout)
 
     @property
     def fw_time(self) -> float:
@@ -174,7 +175,7 @@ def analyze(ir: IR, cost: CostModel, token_shard: int = 1) -> GraphCosts:
         saved_expr=saved_expr, checkpoint_bytes=cost.value(ckpt_expr), checkpoint_expr=ckpt_expr,
         max_layer_saved=cost.value(layer_max_expr), max_layer_saved_expr=layer_max_expr, layer_fw_time=layer_fw,
         layers=tuple(layers), fw_attention=attention["fw"], bw_attention=attention["bw"], token_shard=shard,
-        attention_bytes=tuple(attention_bytes))
+        attention_bytes=tuple(attention_bytes), param_numels={n: int(p.numel) for n, p in ir.params.items()})
 
 
 def _param_aliases(ir: IR) -> set[str]:

@@ -142,6 +142,10 @@ class _Step:
         self.hooks = {"fw": _PhaseHooks(), "bw": _PhaseHooks()}
         self.seg_end: dict[tuple[str, int], int] = {}   # (phase, stop) -> the task of the segment ending there
         self.fetched: dict[str, int] = {}       # layer -> the task bringing its saved tensors back
+        # The bytes of every superoffload transfer, from the per-bucket list the runtime executes (one source)
+        from ..plan.transfers import bucket_transfers   # here: socompile.plan imports this module
+        self.transfers = {(t.bucket, t.purpose): t for t in bucket_transfers(plan, costs.param_numels or None,
+                                                                              weight_bytes=self.grad_size)}
         self.offload_out: dict[str, int] = {}   # layer -> the task copying its saved tensors out
 
     def all_to_all(self, name: str, nbytes: float, deps) -> int:
@@ -187,8 +191,13 @@ class _Step:
             bw.before.setdefault(lc.bw_span[0], []).append(lambda prev, lc=lc, gate=gate: self._fetch(lc, gate))
 
     def _sent(self, lc) -> float:
-        """Bytes an offloaded layer moves each way: its saved tensors, or a selective one's checkpoints."""
-        return lc.saved if self.choices[lc.name] == "offload" else lc.boundary + lc.attention_saved
+        """Bytes an offloaded layer moves each way (plan/transfers.py ``offloaded_bytes``, as its list counts)."""
+        from ..plan.transfers import offloaded_bytes
+        return offloaded_bytes(lc, self.choices[lc.name])
+
+    def _transfer(self, bk, purpose: str):
+        """The plan's transfer of ``purpose`` for bucket ``bk`` (plan/transfers.py)."""
+        return self.transfers[(bk.index, purpose)]
 
     def _copy_out(self, lc, seg: int) -> list:
         self.offload_out[lc.name] = self.b.add(f"act out {lc.name}", "d2h",
@@ -292,8 +301,10 @@ class _Step:
 
     def _prefetch(self, label: str, idx: int, dep: int | None) -> int:
         bk = self.buckets[idx]
-        return self.b.add(f"{label} prefetch b{idx}", "h2d", self.cost.transfer_time(bk.numel * 2, "h2d"), (dep,),
-                          "transfer", bk.numel * 2)
+        # zero-infinity streams bf16 copies of every bucket; superoffload what the plan's list says
+        nbytes = bk.numel * 2 if self.baseline else self._transfer(bk, "flow fetch").nbytes
+        return self.b.add(f"{label} prefetch b{idx}", "h2d", self.cost.transfer_time(nbytes, "h2d"), (dep,),
+                          "transfer", nbytes)
 
     # -- the optimizer steps, after each bucket's gradients are ready --
 
@@ -341,7 +352,7 @@ class _Step:
         """The gradient shard to host memory. ZeRO-Offload (DeepSpeed stage 1/2 with offload_optimizer,
         async_inplace_copy_grad_to_fp32_buffer_from_gpu): each gradient is cast to fp32 on the GPU and copied
         into the fp32 host buffer as soon as it is reduced, during backward; the CPU Adam runs after backward."""
-        link_bytes = shard * (4 if self.baseline else dtype_bytes(bk.link_dtype))
+        link_bytes = shard * 4 if self.baseline else self._transfer(bk, "gradients").nbytes / self.world
         deps = [ready]
         if link_bytes > shard * self.grad_size:   # upcast on the GPU before the copy
             deps = [self.b.add(f"upcast g b{bk.index}", "gpu_aux", self.cost.gpu_cast_time(shard, self.grad_size, 4),
@@ -374,10 +385,11 @@ class _Step:
             cast = b.add(f"cast p b{bk.index}", "cpu", cost.cpu_cast_time(shard), [adam], "cast")
             return b.add(f"upload b{bk.index}", "h2d", cost.transfer_time(shard * 2, "h2d"), [cast], "transfer",
                          shard * 2)
-        if bk.cast_site == "cpu":
-            return b.add(f"upload b{bk.index}", "h2d", cost.transfer_time(shard * 2, "h2d"), [adam], "transfer",
-                         shard * 2)
-        up = b.add(f"upload b{bk.index}", "h2d", cost.transfer_time(shard * 4, "h2d"), [adam], "transfer", shard * 4)
+        upload = self._transfer(bk, "weight upload")
+        nbytes = upload.nbytes / self.world
+        up = b.add(f"upload b{bk.index}", "h2d", cost.transfer_time(nbytes, "h2d"), [adam], "transfer", nbytes)
+        if dtype_bytes(upload.dtype) <= self.grad_size:   # crossed in the weights' dtype: nothing to cast
+            return up
         return b.add(f"cast p b{bk.index}", "gpu_aux", cost.gpu_cast_time(shard), [up], "cast")
 
 

@@ -115,8 +115,9 @@ def padded_numel(numels, align: int) -> int:
 
 def runtime_device_bytes(plan, ir, align: int | None = None) -> dict:
     """The device bytes the runtime itself holds (runtime/memory.py books the same tensors): weights of
-    stationary buckets, fp32 master + gradient + Adam moments of device-site buckets, and the flow buffers of
-    flow buckets, live from prefetch to release (the exact schedule of plan/flow_schedule.py). Activations
+    stationary buckets, fp32 master + gradient + Adam moments of device-site buckets, the fp32 upload staging of
+    device-cast buckets (``upload_staging_bytes``), and the flow buffers of flow buckets, live from prefetch to
+    release (the exact schedule of plan/flow_schedule.py). Activations
     and graph temporaries are not the runtime's. Returns {"peak", "fixed", "flow_peak", "flow_phase_peak",
     "parts"}."""
     from .flow_schedule import flow_peak, flow_schedule
@@ -135,7 +136,24 @@ def runtime_device_bytes(plan, ir, align: int | None = None) -> dict:
         elif b.optimizer_site != "device":
             stationary += n * weight_bytes   # a device-site bucket's weights are its fp32 master, counted above
     peak, per_phase = flow_peak(flow_schedule(plan, ir), flow_bytes)
-    fixed = stationary + state
+    staging = upload_staging_bytes(plan, ir, align)
+    fixed = stationary + state + staging
     return {"peak": fixed + peak, "fixed": fixed, "flow_peak": peak, "flow_phase_peak": per_phase,
             "parts": (("stationary weights", stationary), ("GPU optimizer state", state),
-                      ("weight-flow buffers", peak))}
+                      ("weight-flow buffers", peak), ("upload staging", staging))}
+
+
+def device_cast_buckets(plan, weight_bytes: int | None = None) -> list:
+    """The buckets whose uploads the device casts: CPU-stepped, stationary, low-precision weights, and the plan
+    put the cast on the device (``cast_site == "device"``, NVLink-C2C plans): the fp32 master crosses into an
+    fp32 device staging buffer and the device casts it into the weights (runtime/host_master.py ``upload``)."""
+    return [b for b in plan.buckets if b.optimizer_site == "cpu" and b.weight_mode == "stationary"
+            and b.cast_site == "device"] if (weight_bytes or plan.prediction("param_dtype_bytes", 4)) == 2 else []
+
+
+def upload_staging_bytes(plan, ir, align: int | None = None) -> int:
+    """The device's fp32 upload staging (device_memory's "upload staging"): two buffers of the largest
+    device-cast bucket, padded as the runtime lays it out, so one bucket's cast overlaps the next one's copy."""
+    align = ALIGN if align is None else align
+    return 2 * 4 * max((padded_numel([ir.params[p].numel for p in b.params], align)
+                        for b in device_cast_buckets(plan)), default=0)

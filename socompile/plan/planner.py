@@ -36,6 +36,7 @@ from .activation_policy import _activation_policy
 from .bucketize import FP32_BYTES, bucketize
 from .floor import bucket_size_candidates, bucket_size_line, bucket_text, infeasible_message
 from .memory import MemoryEstimate, host_memory, runtime_device_bytes
+from .transfers import per_step_traffic
 from .plan import BucketPlan, Plan
 from .search_state import HOST_HEADROOM, PlanError, _compact_buckets, _Context, _device, _formula  # noqa: F401
 
@@ -170,7 +171,11 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
     # What the runtime itself will hold on the device (weights, device optimizer state, flow buffers), walked
     # over the exact flow schedule: tests compare it with the runtime's measured peak byte for byte.
     runtime = runtime_device_bytes(final, ir)
+    # What crosses the link per step (one micro-batch), by direction, dtype and purpose: the per-bucket transfer
+    # list (plan/transfers.py) the simulator billed; opt.traffic() counts the same at run time.
+    traffic = per_step_traffic(final, ir, layers=costs.layers)
     final = dataclasses.replace(final, predicted=final.predicted + (
+        ("link_bytes_per_step", tuple((" ".join(key), int(v)) for key, v in sorted(traffic.items()))),
         ("runtime_device_peak_bytes", int(runtime["peak"])),
         ("runtime_device_phase_peak_bytes", tuple((k, int(runtime["fixed"] + v))
                                                   for k, v in sorted(runtime["flow_phase_peak"].items())))))

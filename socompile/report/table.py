@@ -116,6 +116,19 @@ def plan_table(plan: Plan, bw_length: int | None = None) -> str:
     return "\n".join(lines)
 
 
+def link_line(traffic) -> str:
+    """'link per step: d2h 1.0 MB (gradients bfloat16), h2d 2.1 MB (weight upload float32)': the plan's
+    ``link_bytes_per_step`` (or ``opt.traffic()`` as the same pairs), per direction with its parts."""
+    by_direction: dict[str, list[str]] = {}
+    totals: dict[str, int] = {}
+    for key, nbytes in traffic:
+        direction, dtype, purpose = key.split(" ", 2) if isinstance(key, str) else key
+        by_direction.setdefault(direction, []).append(f"{purpose} {dtype} {human_bytes(nbytes)}")
+        totals[direction] = totals.get(direction, 0) + nbytes
+    return "link per step (one micro-batch): " + "; ".join(
+        f"{d} {human_bytes(totals[d])} ({', '.join(parts)})" for d, parts in sorted(by_direction.items()))
+
+
 def _summary(plan: Plan, pred: dict) -> list[str]:
     out = []
     if "device_peak_bytes" in pred:
@@ -134,6 +147,8 @@ def _summary(plan: Plan, pred: dict) -> list[str]:
                    f" (checkpointing: {plan.recompute}{per_layer})")
         out.append(f"host memory: {human_bytes(pred['host_bytes'])}, pinned {human_bytes(pred['host_pinned_bytes'])}"
                    f"  (" + ", ".join(f"{k} {human_bytes(v)}" for k, v in pred.get("host_parts", ()) if v) + ")")
+    if pred.get("link_bytes_per_step"):
+        out.append(link_line(pred["link_bytes_per_step"]))
     if "step_time_s" in pred:
         out.append(f"step: {pred['step_time_s'] * 1e3:.1f} ms (forward {pred['forward_s'] * 1e3:.1f}, backward "
                    f"{pred['backward_s'] * 1e3:.1f}, exposed optimizer tail {pred['exposed_tail_s'] * 1e3:.1f}); "

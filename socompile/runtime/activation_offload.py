@@ -40,6 +40,7 @@ from . import handles
 from .device import DeviceRuntime
 from .events import EventLog
 from .memory import DeviceLedger
+from .traffic import ACTIVATION_FETCH, ACTIVATION_OFFLOAD, TrafficLedger
 
 IN_FLIGHT = "offloaded activations in flight"
 _REMEMBERED = 100_000
@@ -66,8 +67,10 @@ def offloadable(t: torch.Tensor) -> bool:
 
 
 class ActivationOffloadRuntime:
-    def __init__(self, device: DeviceRuntime, ledger: DeviceLedger | None = None, events: EventLog | None = None):
+    def __init__(self, device: DeviceRuntime, ledger: DeviceLedger | None = None, events: EventLog | None = None,
+                 traffic: TrafficLedger | None = None):
         self.device = device
+        self.traffic = traffic if traffic is not None else TrafficLedger()
         self.stream = device.stream("activations")
         self.ledger = ledger if ledger is not None else DeviceLedger()
         self.events = events if events is not None else EventLog()
@@ -90,6 +93,7 @@ class ActivationOffloadRuntime:
         self.ledger.alloc(IN_FLIGHT, ("offload", token), nbytes)
         self.events.record("fw_offload_activation")
         self._remember(host, nbytes)
+        self.traffic.add("d2h", t.dtype, ACTIVATION_OFFLOAD, nbytes)
         if self.device.kind == "cpu":
             held = [t]       # the runtime's reference to t, dropped as soon as the copy is done
 
@@ -128,6 +132,7 @@ class ActivationOffloadRuntime:
             dst = self.device.empty(host.numel(), host.dtype).as_strided(host.size(), host.stride())
             nbytes = host.numel() * host.element_size()
             self.ledger.alloc(IN_FLIGHT, ("fetch", key), nbytes)
+            self.traffic.add("h2d", host.dtype, ACTIVATION_FETCH, nbytes)
             done = self.device.copy_async(dst, host, self.stream)
             self._fetching[key] = (dst, host, done)      # host kept until the wait: the copy reads it
             self.stats["fetched_tensors"] += 1

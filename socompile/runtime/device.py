@@ -246,8 +246,9 @@ class CUDARuntime(DeviceRuntime):
 
     def copy_many_async(self, pairs, stream: CUDAStream) -> CUDAEvent:
         """One wait for the compute stream, the copies, one event. A device source of another dtype than its
-        host destination is converted on the device first (on the side stream: the gradient D2H path moves
-        fp32 into the fp32 host buffer and the conversion costs no host time)."""
+        host destination is converted on the device first (on the side stream), so what crosses is always the
+        destination's dtype. The gradient D2H path needs no conversion: the host landing buffer has the plan's
+        link dtype, the dtype the backward graph hands over (passes/cast_gradients.py)."""
         pairs = list(pairs)
         stream.stream.wait_stream(self.api.current_stream())
 

@@ -33,8 +33,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..dtypes import TORCH_DTYPES
 from ..plan.bucketize import ALIGN   # one layout fact for planner and runtime
 from .host_master import HostMasterCopies, flat_real
+from .traffic import TrafficLedger
 
 
 def real_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -64,7 +66,8 @@ def shard_window(numel: int, rank: int, world: int) -> tuple[int, int]:
 
 class FlatBucket(HostMasterCopies):
     def __init__(self, index: int, params: list[nn.Parameter], shard: tuple[int, int] | None = None, *,
-                 host_master: str = "shared", site: str = "cpu", flow: bool = False, runtime=None):
+                 host_master: str = "shared", site: str = "cpu", flow: bool = False, runtime=None,
+                 link_dtype: str | None = None, cast_site: str = "cpu", traffic: TrafficLedger | None = None):
         if host_master not in ("shared", "separate"):
             raise ValueError(f"host_master must be 'shared' or 'separate', got {host_master!r}")
         self.mirror = host_master == "separate"
@@ -88,6 +91,8 @@ class FlatBucket(HostMasterCopies):
         self.site = site               # "cpu": the CPU kernel steps the host master; "device": state on the device
         self.flow = flow and self.mirror and site == "cpu"
         self.runtime = runtime         # DeviceRuntime of the parameters' device (mirror mode)
+        self.cast_site = cast_site     # the plan's: bf16 weights are cast from the master on the "cpu" or "device"
+        self.traffic = traffic if traffic is not None else TrafficLedger()   # bytes its copies move (per step)
         self.dtype = real_dtype(params[0].dtype) if params else torch.float32   # of the flat weights
         self.state_dtype = state_dtype(self.dtype)   # of master, grad, moments and spare
         self.device = params[0].device if params else torch.device("cpu")
@@ -100,7 +105,7 @@ class FlatBucket(HostMasterCopies):
             total += _round_up(n, ALIGN)
         self.numel = total
         self.master = self._state_buffer(total)
-        self.grad = self._state_buffer(total)
+        self.grad = self._state_buffer(total, self._landing_dtype(link_dtype, shard))
         self._init_host_copies(total)   # separate host master: device weights, copy events, stages
         self.window = None         # ZeRO: (lo, hi) elements this rank steps; None: the whole bucket
         self.state_lo = 0          # bucket element at which exp_avg / exp_avg_sq / the spare start
@@ -122,14 +127,27 @@ class FlatBucket(HostMasterCopies):
         self.spare = None          # (master, exp_avg, exp_avg_sq) of the ping-pong spare, allocated on first use
         self._views: dict[tuple[int, int], torch.Tensor] = {}
 
-    def _state_buffer(self, n: int) -> torch.Tensor:
-        """A zeroed buffer (``state_dtype``) for master / grad / moments / spare: on the device for a
-        device-stepped mirror bucket, pinned host memory when a CUDA runtime copies it, else host memory."""
+    def _state_buffer(self, n: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A zeroed buffer (``state_dtype`` unless ``dtype``) for master / grad / moments / spare: on the device
+        for a device-stepped mirror bucket, pinned host memory when a CUDA runtime copies it, else host memory."""
+        dtype = dtype or self.state_dtype
         if self.mirror and self.site == "device":
-            return torch.zeros(n, dtype=self.state_dtype, device=self.device)
+            return torch.zeros(n, dtype=dtype, device=self.device)
         if self._cuda_host():
-            return self.runtime.host_buffer(n, self.state_dtype).zero_()
-        return torch.zeros(n, dtype=self.state_dtype)
+            return self.runtime.host_buffer(n, dtype).zero_()
+        return torch.zeros(n, dtype=dtype)
+
+    def _landing_dtype(self, link_dtype: str | None, shard: tuple[int, int] | None) -> torch.dtype:
+        """The dtype of the host gradient buffer: the plan's link dtype (what crosses the link lands as it
+        crossed, and the CPU kernel reads bf16 gradients directly) for a CPU-stepped bucket with a separate
+        master whose state is fp32; else the state dtype (no plan: an eager pool bucket; a shared master, whose
+        parameters' ``.grad`` are views of it; device-stepped state; float64 state; a ZeRO-sharded bucket, whose
+        host reduce-scatter sums in fp32)."""
+        half = TORCH_DTYPES.get(link_dtype or "")
+        if half is None or half.itemsize != 2 or not self.mirror or self.site != "cpu" \
+                or self.state_dtype != torch.float32 or (shard is not None and shard[1] > 1):
+            return self.state_dtype
+        return half
 
     @staticmethod
     def _no_zero():

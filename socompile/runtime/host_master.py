@@ -26,6 +26,34 @@ import contextlib
 
 import torch
 
+from .traffic import GRADIENTS, WEIGHT_UPLOAD
+
+
+class UploadStaging:
+    """The device's fp32 upload staging of a graph's device-cast buckets (runtime/memory.py "upload staging";
+    plan/memory.py ``upload_staging_bytes``): two buffers of the largest such bucket, taken in turn."""
+
+    def __init__(self, device_runtime, numel: int):
+        self.buffers = [device_runtime.empty(numel, torch.float32) for _ in range(2)]
+        self._last_use = [None, None]   # per buffer: the event of the last cast that read it
+        self._next = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def take(self, numel: int) -> tuple[torch.Tensor, int]:
+        """The next buffer (its first ``numel`` elements) and its slot, once the cast that last read it is done
+        (the host waits for that event only: the upload two before this one)."""
+        slot, self._next = self._next, 1 - self._next
+        if self._last_use[slot] is not None:
+            self._last_use[slot].synchronize()
+            self._last_use[slot] = None
+        return self.buffers[slot][:numel], slot
+
+    def used(self, slot: int, event) -> None:
+        self._last_use[slot] = event
+
 
 def flat_real(t: torch.Tensor) -> torch.Tensor:
     """``t`` flattened as a bucket stores it: a complex tensor as its interleaved (real, imaginary) elements
@@ -56,8 +84,9 @@ class HostMasterCopies:
         self.graph_waits_upload = False   # a compiled forward waits for the upload before its first read of the
         #                                   bucket (passes/wait_uploads.py); else opt.step() makes compute wait
         self.fw_rank = None            # position of the bucket's first read in the compiled forward (upload order)
-        self._pending_adds: list[int] = []   # CUDA accumulation: segments staged in _stage32, to add to grad
-        self._stage32 = None
+        self._pending_adds: list[int] = []   # CUDA accumulation: segments staged in _stage_acc, to add to grad
+        self._stage_acc = None         # CUDA accumulation: pinned landing for micro-batches 2.., in grad's dtype
+        self.upload_staging = None     # UploadStaging: the device casts the uploads (plan's cast_site "device")
         self._stage16 = None           # CUDA bf16 weights: pinned bf16 copy of master, uploaded as is
         self._low_synced = True        # the bf16 copy the kernel may write (weights on the CPU, _stage16 on CUDA)
         #                                equals master cast to bf16
@@ -72,13 +101,20 @@ class HostMasterCopies:
         (pinned) bf16 stage that is uploaded as is on CUDA, and that a flow bucket's fetches read; None when the
         weights are not bf16 or the bucket is stepped on the device. Only valid while that copy is in sync with
         the master (else the whole bucket is cast at upload)."""
-        if self.weights is None or self.site != "cpu" or self.dtype != torch.bfloat16:
+        if self.weights is None or self.site != "cpu" or self.dtype != torch.bfloat16 or self.device_casts:
             return None
         if not self._low_synced:
             return None
         if self.flow or (self.runtime is not None and self.runtime.kind == "cuda"):
             return self._stage16
         return self.weights
+
+    @property
+    def device_casts(self) -> bool:
+        """The plan put this stationary bucket's cast on the device: its fp32 master crosses and the device
+        casts it into the weights (through ``upload_staging``); else a bf16 copy cast on the host crosses."""
+        return self.upload_staging is not None and not self.flow and self.weights is not None \
+            and self.weights.dtype != self.master.dtype
 
     def link_source(self, dtype: torch.dtype) -> torch.Tensor:
         """What a flow fetch in ``dtype`` reads: the bf16 stage when it holds the master cast to bf16 (half the
@@ -122,6 +158,10 @@ class HostMasterCopies:
         if self.site == "device":          # a device-side cast on the current stream
             self.weights.copy_(self.master)
             return
+        if self.device_casts:
+            self._upload_cast_on_device()
+            return
+        self.traffic.add_copy("h2d", WEIGHT_UPLOAD, self.weights)   # bf16 cast on the host, or fp32 weights
         rt = self.runtime
         if rt is None or rt.kind == "cpu":
             if self.dtype != torch.bfloat16 or not self._low_synced:
@@ -132,10 +172,31 @@ class HostMasterCopies:
         if self.dtype == torch.bfloat16:   # cast on the host: half the bytes cross the link
             self._sync_stage16()
             src = self._stage16
+        h2d = self._h2d_after_grads(rt)
+        self.upload_event = rt.copy_async(self.weights, src, h2d)
+        self._upload_waited = False
+
+    def _h2d_after_grads(self, rt):
         h2d = rt.stream("h2d")
         if self.grad_event is not None:    # the compute stream is past the last read of these weights
             h2d.wait_event(self.grad_event)
-        self.upload_event = rt.copy_async(self.weights, src, h2d)
+        return h2d
+
+    def _upload_cast_on_device(self) -> None:
+        """The plan's cast_site "device": the fp32 master crosses into a device staging buffer and the device
+        casts it into the weights, both on the "h2d" stream. The staging buffer is reused two uploads later, once
+        the cast that read it is done (``UploadStaging.take``). CPU build: the same two copies, in host memory."""
+        staging, slot = self.upload_staging.take(self.numel)
+        self.traffic.add_copy("h2d", WEIGHT_UPLOAD, staging)
+        rt = self.runtime
+        if rt is None or rt.kind == "cpu":
+            staging.copy_(self.master)
+            self.weights.copy_(staging)
+            return
+        h2d = self._h2d_after_grads(rt)
+        rt.copy_async(staging, self.master, h2d)
+        self.upload_event = rt.copy_async(self.weights, staging, h2d)   # after the copy: one stream
+        self.upload_staging.used(slot, self.upload_event)
         self._upload_waited = False
 
     @property
@@ -228,11 +289,12 @@ class HostMasterCopies:
                 seg = self.segment(i)
                 add = accumulate and self.has_grad[i]
                 if add:
-                    if self._stage32 is None:
-                        self._stage32 = self.runtime.host_buffer(self.numel, torch.float32)
+                    if self._stage_acc is None:
+                        self._stage_acc = self.runtime.host_buffer(self.numel, self.grad.dtype)
                     self._pending_adds.append(i)
-                pairs.append(((self._stage32 if add else self.grad)[seg], flat_real(g)))
+                pairs.append(((self._stage_acc if add else self.grad)[seg], flat_real(g)))
                 self.has_grad[i] = True
+            self._count_gradients(pairs)
             self.grad_event = self.runtime.copy_many_async(pairs, self.runtime.stream("d2h"))
             return
         for i, g in zip(segments, grads):
@@ -242,6 +304,14 @@ class HostMasterCopies:
             else:
                 dst.copy_(flat_real(g))
             self.has_grad[i] = True
+        if self.mirror and self.site == "cpu":   # the CPU build's host copy stands for the link the gradients cross
+            self._count_gradients([(self.grad[self.segment(i)], None) for i in segments])
+
+    def _count_gradients(self, pairs) -> None:
+        """Book the gradient bytes that cross: the segments' elements (the padding between them is not copied),
+        in the landing buffer's dtype."""
+        numel = sum(dst.numel() for dst, _ in pairs)
+        self.traffic.add("d2h", self.grad.dtype, GRADIENTS, numel * self.grad.element_size())
 
     def wait_grads_on_compute(self) -> None:
         """The compute stream waits (no host block on CUDA) for the gradient copy, before the graph reuses the
@@ -257,5 +327,5 @@ class HostMasterCopies:
         self.grad_event.synchronize()
         for i in self._pending_adds:
             seg = self.segment(i)
-            self.grad[seg].add_(self._stage32[seg])
+            self.grad[seg].add_(self._stage_acc[seg])
         self._pending_adds.clear()

@@ -21,20 +21,26 @@ from ..dtypes import TORCH_DTYPES
 from . import handles
 from .device import DeviceRuntime
 from .events import EventLog
+from ..plan.memory import device_cast_buckets
+from .host_master import UploadStaging
 from .memory import DeviceLedger
+from .traffic import FLOW_FETCH, TrafficLedger
 
 FLOW = "weight-flow buffers"
+STAGING = "upload staging"
 PHASE_NAMES = {"fw": "forward", "bw": "backward"}
 
 
 class OffloadRuntime:
-    def __init__(self, plan, buckets, device: DeviceRuntime, events: EventLog | None = None):
+    def __init__(self, plan, buckets, device: DeviceRuntime, events: EventLog | None = None,
+                 traffic: TrafficLedger | None = None):
         self.plan = plan
         self.buckets = buckets                  # FlatBuckets of the optimizer's claim, by plan index
         self.device = device
         self.h2d = device.stream("h2d")
         self.ledger = DeviceLedger()
         self.events = events if events is not None else EventLog()
+        self.traffic = traffic if traffic is not None else TrafficLedger()
         self._inflight: dict[tuple[str, int], tuple[torch.Tensor, object]] = {}
         self.fetched: list[weakref.ref] = []    # weak references to every buffer handed out (tests: none leak)
         self.fetch_counts: dict[tuple[str, int], int] = {}
@@ -54,7 +60,28 @@ class OffloadRuntime:
                 nbytes = flat.master.numel() * weight_bytes if weights is None else \
                     weights.numel() * weights.element_size()
                 self.ledger.alloc("stationary weights", b.index, nbytes)
+        self.upload_staging = self._upload_staging()
+        self.attach_upload_staging()
         self.handle = handles.register(self)
+
+    def _upload_staging(self) -> UploadStaging | None:
+        """The fp32 staging of the plan's device-cast buckets (plan/memory.py ``device_cast_buckets``), booked
+        here for as long as the graph lives: two buffers of the largest such bucket."""
+        cast = {b.index for b in device_cast_buckets(self.plan)}
+        sizes = [flat.numel for b, flat in zip(self.plan.buckets, self.buckets)
+                 if b.index in cast and getattr(flat, "weights", None) is not None]
+        if not sizes:
+            return None
+        staging = UploadStaging(self.device, max(sizes))
+        self.ledger.alloc(STAGING, "uploads", staging.nbytes)
+        return staging
+
+    def attach_upload_staging(self) -> None:
+        """Hand the staging to the device-cast buckets (again after the optimizer laid the claim out anew)."""
+        cast = {b.index for b in device_cast_buckets(self.plan)}
+        for b, flat in zip(self.plan.buckets, self.buckets):
+            if b.index in cast and self.upload_staging is not None:
+                flat.upload_staging = self.upload_staging
 
     def numel(self, bucket: int) -> int:
         return self.buckets[bucket].master.numel()
@@ -72,6 +99,7 @@ class OffloadRuntime:
         # weights keeps a bf16 copy for the link (FlatBucket.link_source): half the bytes, cast on the host.
         src = flat.link_source(dtype) if hasattr(flat, "link_source") else flat.master
         self.events.record(f"{phase}_prefetch", bucket)
+        self.traffic.add_copy("h2d", FLOW_FETCH, dst)
 
         def copy():
             self.events.record("h2d_start", bucket)

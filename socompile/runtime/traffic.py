@@ -1,0 +1,60 @@
+"""Link traffic accounting: the bytes the socompile runtime moves between host and device, per training step.
+
+Every copy site of the runtime books its bytes here when it queues the copy, keyed by
+
+    direction   "d2h" (device -> host) or "h2d" (host -> device)
+    dtype       the dtype of the bytes that cross ("bfloat16", "float32", ...)
+    purpose     "gradients", "weight upload", "flow fetch", "activation offload", "activation fetch"
+
+A step ends when ``opt.step()`` returns: ``end_step`` keeps that step's counts (``last``) and starts the next.
+The plan predicts the same keys and bytes (plan/transfers.py ``per_step_traffic``); tests hold the two equal byte
+for byte. Bytes are element counts times element size, alignment padding included (runtime/flat_bucket.py), as
+the plan counts them. A copy that stays on one side (a host master shared with fp32 CPU parameters) is none.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ..dtypes import TORCH_DTYPES
+
+GRADIENTS = "gradients"
+WEIGHT_UPLOAD = "weight upload"
+FLOW_FETCH = "flow fetch"
+ACTIVATION_OFFLOAD = "activation offload"
+ACTIVATION_FETCH = "activation fetch"
+
+_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+
+
+def dtype_label(dtype: torch.dtype) -> str:
+    """The name a plan records for ``dtype`` (``socompile.dtypes``), else torch's own name ("float64")."""
+    return _NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+class TrafficLedger:
+    """Bytes per (direction, dtype, purpose) of the step in progress and of the last finished step."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.current: dict[tuple[str, str, str], int] = {}
+        self.last: dict[tuple[str, str, str], int] = {}
+        self.steps = 0
+
+    def add(self, direction: str, dtype: torch.dtype, purpose: str, nbytes: int) -> None:
+        if nbytes <= 0:
+            return
+        key = (direction, dtype_label(dtype), purpose)
+        with self._lock:
+            self.current[key] = self.current.get(key, 0) + int(nbytes)
+
+    def add_copy(self, direction: str, purpose: str, dst: torch.Tensor) -> None:
+        """Book a copy into ``dst``: what crosses is ``dst``'s bytes in ``dst``'s dtype (a d2h copy converts,
+        if at all, on the device before it crosses; an h2d copy lands as it crossed)."""
+        self.add(direction, dst.dtype, purpose, dst.numel() * dst.element_size())
+
+    def end_step(self) -> None:
+        with self._lock:
+            self.last, self.current = self.current, {}
+            self.steps += 1
