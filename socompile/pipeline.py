@@ -194,7 +194,8 @@ def _bind_activation_runtime(ctx: CompileContext) -> None:
         return   # the forward pass says so and keeps the activations
     from .runtime.activation_offload import ActivationOffloadRuntime
     weights = ctx.offload
-    ctx.activation_offload = ActivationOffloadRuntime(weights.device, ledger=weights.ledger, events=weights.events)
+    ctx.activation_offload = ActivationOffloadRuntime(weights.device, ledger=weights.ledger, events=weights.events,
+                                                      host_ledger=ctx.optimizer.host_ledger)
     weights.activations = ctx.activation_offload
 
 

@@ -26,6 +26,8 @@ import contextlib
 
 import torch
 
+from .memory import ACCUMULATION, STAGING
+
 
 def flat_real(t: torch.Tensor) -> torch.Tensor:
     """``t`` flattened as a bucket stores it: a complex tensor as its interleaved (real, imaginary) elements
@@ -62,6 +64,12 @@ class HostMasterCopies:
         self._low_synced = True        # the bf16 copy the kernel may write (weights on the CPU, _stage16 on CUDA)
         #                                equals master cast to bf16
 
+    def master_crosses(self) -> bool:
+        """The host master is read by copies to the device (pinned on CUDA): uploads of weights that are not
+        bf16 (bf16 weights go up from the bf16 stage), and the fetches of a flow bucket (they read the master
+        when the link dtype is fp32, or the bf16 stage is out of sync). A shared master never crosses."""
+        return self.mirror and (self.flow or self.dtype != torch.bfloat16)
+
     def _cuda_host(self) -> bool:
         """Host buffers that the runtime's copy streams read or write asynchronously (pinned)."""
         return self.mirror and self.site == "cpu" and self.runtime is not None and self.runtime.kind == "cuda"
@@ -94,8 +102,10 @@ class HostMasterCopies:
 
     def _sync_stage16(self) -> None:
         if self._stage16 is None:
-            self._stage16 = (self.runtime.host_buffer(self.numel, torch.bfloat16) if self.runtime is not None
-                             else torch.empty(self.numel, dtype=torch.bfloat16))
+            pinned = self._cuda_host()
+            self._stage16 = self.book_host(STAGING, self.runtime.host_buffer(self.numel, torch.bfloat16)
+                                           if self.runtime is not None else torch.empty(self.numel, dtype=torch.bfloat16),
+                                           pinned)
             self._low_synced = False
         if not self._low_synced:
             self.before_host_write()
@@ -229,7 +239,8 @@ class HostMasterCopies:
                 add = accumulate and self.has_grad[i]
                 if add:
                     if self._stage32 is None:
-                        self._stage32 = self.runtime.host_buffer(self.numel, torch.float32)
+                        self._stage32 = self.book_host(ACCUMULATION,
+                                                       self.runtime.host_buffer(self.numel, torch.float32), True)
                     self._pending_adds.append(i)
                 pairs.append(((self._stage32 if add else self.grad)[seg], flat_real(g)))
                 self.has_grad[i] = True
