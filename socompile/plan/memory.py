@@ -15,8 +15,8 @@ Host (host_buffers; the runtime's HostLedger books the same buffers, runtime/mem
 padded elements: fp32 master (4n), Adam moments (8n), ping-pong spares for exact rollback (12n), the gradient
 landing buffer (n x link dtype), a bf16 staging copy (2n) that uploads and fetches of bf16 weights read, and on
 CUDA with gradient accumulation an fp32 stage (4n); plus offloaded activations. Pinned: what copies to or from
-the device read or write (landing, staging, accumulation stage, activations, and the master when uploads of
-non-bf16 weights or flow fetches read it); moments and spares never cross the link and are pageable.
+the device read or write (landing, staging, accumulation stage, activations, and the master of non-bf16 weights,
+which their uploads and fetches read); moments and spares never cross the link and are pageable.
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def bucket_host_buffers(b: BucketPlan, numel: int, weight_bytes: int, world: int
     pins = layout.pins and separate
     bf16 = weight_bytes == 2
     flow = separate and b.weight_mode == "flow"
-    master_crosses = pins and (flow or not bf16)   # uploads of non-bf16 weights and flow fetches read the master
+    master_crosses = pins and not bf16   # uploads and fetches of non-bf16 weights read the master
     out = [(MASTER, 4 * shard, master_crosses), (MOMENTS, 8 * shard, False)]
     if b.rollback == "exact":   # the spare master becomes the master at a commit: pinned like it (unsharded)
         out += [(SPARES, 4 * shard, master_crosses and world <= 1), (SPARES, 8 * shard, False)]

@@ -65,10 +65,11 @@ class HostMasterCopies:
         #                                equals master cast to bf16
 
     def master_crosses(self) -> bool:
-        """The host master is read by copies to the device (pinned on CUDA): uploads of weights that are not
-        bf16 (bf16 weights go up from the bf16 stage), and the fetches of a flow bucket (they read the master
-        when the link dtype is fp32, or the bf16 stage is out of sync). A shared master never crosses."""
-        return self.mirror and (self.flow or self.dtype != torch.bfloat16)
+        """The host master is read by copies to the device (pinned on CUDA) when the weights are not bf16: their
+        uploads and fetches read it. bf16 weights go up and are fetched from the pinned bf16 stage; only a flow
+        fetch with an fp32 link dtype (or a stage out of sync) reads their master, a copy from pageable memory
+        that CUDA makes synchronous: correct, at the pageable rate. A shared master never crosses."""
+        return self.mirror and self.dtype != torch.bfloat16
 
     def _cuda_host(self) -> bool:
         """Host buffers that the runtime's copy streams read or write asynchronously (pinned)."""
