@@ -198,7 +198,8 @@ def _bind_activation_runtime(ctx: CompileContext) -> None:
     from .runtime.activation_offload import ActivationOffloadRuntime
     weights = ctx.offload
     ctx.activation_offload = ActivationOffloadRuntime(weights.device, ledger=weights.ledger, events=weights.events,
-                                                      traffic=weights.traffic)
+                                                      traffic=weights.traffic,
+                                                      host_ledger=ctx.optimizer.host_ledger)
     weights.activations = ctx.activation_offload
 
 

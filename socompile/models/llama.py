@@ -1,7 +1,7 @@
 """A Llama-style decoder: RMSNorm, rotary position embeddings, SwiGLU, grouped-query attention.
 
 Small enough to read in one sitting; the presets range from ``tiny`` (trains on two CPU cores in minutes)
-to ``llama-25b`` (for planning only, traced under FakeTensorMode).
+to ``llama-28b`` (for planning only, traced under FakeTensorMode).
 """
 from __future__ import annotations
 
@@ -51,6 +51,9 @@ PRESETS: dict[str, LlamaConfig] = {
     "llama-13b": LlamaConfig(vocab_size=32000, dim=5120, n_layers=40, n_heads=40, n_kv_heads=40,
                              ffn_dim=13824, max_seq_len=4096),
     "llama-25b": LlamaConfig(vocab_size=32000, dim=8192, n_layers=30, n_heads=64, n_kv_heads=64,
+                             ffn_dim=22016, max_seq_len=4096),
+    # llama-25b with 4 more layers (27.9B): past the paper's 25B on one GH200 (bench/paper.py, docs/planner.md)
+    "llama-28b": LlamaConfig(vocab_size=32000, dim=8192, n_layers=34, n_heads=64, n_kv_heads=64,
                              ffn_dim=22016, max_seq_len=4096),
 }
 

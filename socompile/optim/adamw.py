@@ -21,6 +21,7 @@ stay on the host and the updated master is uploaded once a step is final; see ru
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import time
@@ -36,6 +37,7 @@ from ..runtime.device import Runtimes
 from ..runtime.events import EventLog
 from ..runtime.flat_bucket import FlatBucket, real_dtype
 from ..runtime.host_master import upload_order
+from ..runtime.memory import HostLedger
 from ..runtime.speculation import Speculator, clip_coefficient
 from ..runtime.traffic import TrafficLedger
 from ..runtime.worker import CPUWorker
@@ -121,6 +123,7 @@ class AdamW(torch.optim.Optimizer):
         self._own(range(len(self.param_groups)))
         self._pool: list[FlatBucket] = []
         self._runtimes = Runtimes()   # the device runtime (streams) of this optimizer's buckets, per device
+        self.host_ledger = HostLedger()   # every host buffer of its buckets (and offloaded activations)
         # ZeRO-style data parallelism (socompile.distributed.zero.shard_optimizer sets it): reduce-scatters each
         # bucket's gradients, makes every rank step only its shard, agrees on validation, all-gathers weights.
         self._sharding = None
@@ -236,7 +239,8 @@ class AdamW(torch.optim.Optimizer):
             bucket = FlatBucket(index, params, shard=shard, host_master=self.host_master,
                                 site=sites[k] if sites else "cpu", flow=bool(flow and flow[k]), runtime=runtime,
                                 link_dtype=link_dtypes[k] if link_dtypes else None,
-                                cast_site=cast_sites[k] if cast_sites else "cpu", traffic=self.traffic_ledger)
+                                cast_site=cast_sites[k] if cast_sites else "cpu", traffic=self.traffic_ledger,
+                                host_ledger=self.host_ledger)
             bucket.adopt(self._slot)
             bucket.group_of = [self._group_index[id(p)] for p in params]
             bucket.rollback_mode = self.rollback
@@ -539,6 +543,15 @@ class AdamW(torch.optim.Optimizer):
                 self._alias_state(bucket, i, state)   # the current copy (a ping-pong commit may have swapped it)
                 state["step"].fill_(float(bucket.steps[i]))
         self.events.record("commit")
+
+    def host_memory(self) -> dict:
+        """Host memory this optimizer's runtime holds, from its ledger (runtime/memory.py HostLedger): bytes
+        now (``current``, ``pinned``, ``pageable``), the ``peak``, and both by purpose (``by_purpose``,
+        ``peak_by_purpose``: {purpose: {"pinned": bytes, "pageable": bytes}}): fp32 master, Adam moments,
+        ping-pong spares, gradient landing, gradient accumulation stage, bf16 staging copy, offloaded
+        activations. The plan predicts the same (plan/memory.py host_buffers; docs/runtime.md)."""
+        gc.collect()   # buffers only a reference cycle still held (a bucket laid out again) leave the books
+        return self.host_ledger.host_summary()
 
     @property
     def stats(self) -> dict:

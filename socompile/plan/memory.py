@@ -11,10 +11,12 @@ Gradient staging is no buffer of the runtime's: it is the backward graph's own g
 bucket's step node until the bucket is complete and by its device-to-host copy until it lands in the pinned
 landing buffer (runtime/host_master.py), so perf/analysis.py does not count them as activations. The floor of a plan
 (planner._min_device) therefore scales with the largest bucket, and bucket_size with it.
-Host:
-  per CPU bucket: master + m + v (12 B/param), ping-pong copies for exact rollback (+12), the gradient landing
-  buffer (link dtype), and a bf16 weight copy when the CPU casts or the weights flow. Pinned: whatever crosses
-  the link (gradient buffers, bf16 copies, and the fp32 master when the device casts).
+Host (host_buffers; the runtime's HostLedger books the same buffers, runtime/memory.py), per CPU bucket of n
+padded elements: fp32 master (4n), Adam moments (8n), ping-pong spares for exact rollback (12n), the gradient
+landing buffer (n x link dtype), a bf16 staging copy (2n) that uploads and fetches of bf16 weights read, and on
+CUDA with gradient accumulation an fp32 stage (4n); plus offloaded activations. Pinned: what copies to or from
+the device read or write (landing, staging, accumulation stage, activations, and the master of non-bf16 weights,
+which their uploads and fetches read); moments and spares never cross the link and are pageable.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ import dataclasses
 import sympy
 
 from ..dtypes import dtype_bytes
+from ..runtime.memory import (ACCUMULATION, ACTIVATIONS, HOST_PURPOSES, LANDING, MASTER, MOMENTS, SPARES,
+                              STAGING)
 from .bucketize import ALIGN
 from .plan import BucketPlan
 
@@ -65,33 +69,88 @@ def device_memory(buckets: list[BucketPlan], weight_bytes: int, activations: flo
                           host_total=0, host_pinned=0, host_parts=())
 
 
-def host_memory(buckets: list[BucketPlan], weight_bytes: int, world: int = 1, offloaded_activations: int = 0
-                ) -> tuple[int, int, tuple[tuple[str, int], ...]]:
-    """(total, pinned, parts) bytes of host memory of one rank. ZeRO over ``world`` ranks: each rank's CPU holds
-    the fp32 master, moments, ping-pong copies and gradient landing buffer of its 1/world shard of every CPU
-    bucket; a flowing bucket's bf16 weights are whole on every rank (each rank streams all of them).
-    ``offloaded_activations``: saved tensors of offloaded layers (pinned: they cross the link)."""
-    w = max(1, world)
-    state = pingpong = landing = copies = master_pinned = 0
+@dataclasses.dataclass(frozen=True)
+class HostLayout:
+    """How the runtime lays host buffers out, beyond the plan's buckets (docs/runtime.md, "Host memory").
+    ``pins``: a CUDA runtime (or the emulated one): buffers that copies to or from the device read or write are
+    pinned. ``shared_master``: the CPU runtime with fp32 CPU parameters (host_master 'shared'): the parameters
+    alias the master and their fp32 gradients are the landing buffer; nothing crosses a link. ``accumulation``:
+    grad_accumulation_steps > 1 (an optimizer argument, not a plan option): a CUDA bucket lands the later
+    micro-batches in an fp32 stage and adds them on the host."""
+    pins: bool = True
+    shared_master: bool = False
+    accumulation: bool = False
+
+
+def bucket_host_buffers(b: BucketPlan, numel: int, weight_bytes: int, world: int = 1,
+                        layout: HostLayout = HostLayout()) -> list[tuple[str, int, bool]]:
+    """(purpose, bytes, pinned) of each host buffer the runtime allocates for CPU bucket ``b`` of ``numel``
+    elements (padded as runtime/flat_bucket.py lays it out); none for a device-stepped bucket (its state is
+    device memory). ZeRO over ``world`` ranks: master, moments, spares and the gradient landing buffer cover the
+    rank's 1/world shard; the bf16 staging copy is whole (each rank uploads or streams all the weights)."""
+    if b.optimizer_site != "cpu":
+        return []
+    shard = -(-numel // max(1, world))
+    separate = not layout.shared_master
+    pins = layout.pins and separate
+    bf16 = weight_bytes == 2
+    flow = separate and b.weight_mode == "flow"
+    # the plan's device cast (stationary bf16 weights, cast_site "device"): the fp32 master itself is uploaded
+    device_cast = separate and bf16 and b.weight_mode == "stationary" and b.cast_site == "device"
+    master_crosses = pins and (not bf16 or device_cast)   # uploads and fetches of non-bf16 weights read the master
+    out = [(MASTER, 4 * shard, master_crosses), (MOMENTS, 8 * shard, False)]
+    if b.rollback == "exact":   # the spare master becomes the master at a commit: pinned like it (unsharded)
+        out += [(SPARES, 4 * shard, master_crosses and world <= 1), (SPARES, 8 * shard, False)]
+    landing = 4 if layout.shared_master else dtype_bytes(b.link_dtype)   # shared: the parameters' fp32 .grad
+    out.append((LANDING, shard * landing, pins))
+    if pins and layout.accumulation:   # later micro-batches land in a stage of the landing dtype, then are added
+        out.append((ACCUMULATION, landing * numel, True))
+    if separate and bf16 and not device_cast and (pins or flow):   # host-cast uploads and fetches read a bf16 copy
+        out.append((STAGING, 2 * numel, pins))
+    return out
+
+
+def host_buffers(buckets: list[BucketPlan], weight_bytes: int, world: int = 1, offloaded_activations: int = 0,
+                 numels: dict[int, int] | None = None, layout: HostLayout = HostLayout()
+                 ) -> dict[str, dict[str, int]]:
+    """Host bytes of one rank by purpose, {purpose: {"pinned": bytes, "pageable": bytes}}, as the runtime's
+    HostLedger books them (runtime/memory.py; purposes with no bytes left out). ``numels``: padded elements by
+    bucket index (default: the bucket's numel). ``offloaded_activations``: saved tensors of offloaded layers
+    (host copies of device tensors: pinned when the runtime pins)."""
+    out: dict[str, dict[str, int]] = {}
+
+    def add(purpose: str, nbytes: int, pinned: bool) -> None:
+        if nbytes:
+            out.setdefault(purpose, {"pinned": 0, "pageable": 0})["pinned" if pinned else "pageable"] += nbytes
     for b in buckets:
-        if b.optimizer_site != "cpu":
-            continue
-        shard = -(-b.numel // w)
-        state += 12 * shard
-        if b.rollback == "exact":
-            pingpong += 12 * shard
-        landing += shard * dtype_bytes(b.link_dtype)
-        if weight_bytes == 2 and b.weight_mode == "flow":
-            copies += 2 * b.numel
-        elif weight_bytes == 2 and b.cast_site == "cpu":
-            copies += 2 * shard
-        elif b.weight_mode == "stationary":
-            master_pinned += 4 * shard
-    parts = (("fp32 master + Adam moments", state), ("ping-pong copies (exact rollback)", pingpong),
-             ("gradient landing buffers", landing), ("bf16 weight copies", copies),
-             ("offloaded activations", int(offloaded_activations)))
-    pinned = landing + copies + master_pinned + int(offloaded_activations)
-    return sum(v for _, v in parts), pinned, parts
+        numel = b.numel if numels is None else numels[b.index]
+        for purpose, nbytes, pinned in bucket_host_buffers(b, numel, weight_bytes, world, layout):
+            add(purpose, nbytes, pinned)
+    add(ACTIVATIONS, int(offloaded_activations), layout.pins)
+    return {k: out[k] for k in HOST_PURPOSES if k in out}
+
+
+def host_memory(buckets: list[BucketPlan], weight_bytes: int, world: int = 1, offloaded_activations: int = 0,
+                numels: dict[int, int] | None = None, layout: HostLayout = HostLayout()
+                ) -> tuple[int, int, tuple[tuple[str, int], ...]]:
+    """(total, pinned, parts) bytes of host memory of one rank: ``host_buffers`` summed; parts by purpose."""
+    books = host_buffers(buckets, weight_bytes, world, offloaded_activations, numels, layout)
+    parts = tuple((k, v["pinned"] + v["pageable"]) for k, v in books.items())
+    return sum(v for _, v in parts), sum(v["pinned"] for v in books.values()), parts
+
+
+def padded_numels(buckets, ir, align: int | None = None) -> dict[int, int]:
+    """Elements of each bucket as the runtime lays it out (padded segments), by bucket index."""
+    align = ALIGN if align is None else align
+    return {b.index: padded_numel([ir.params[p].numel for p in b.params], align) for b in buckets}
+
+
+def runtime_host_bytes(plan, ir, layout: HostLayout = HostLayout(), world: int = 1) -> dict[str, dict[str, int]]:
+    """The host bytes the runtime itself allocates for ``plan`` (its HostLedger books the same buffers,
+    opt.host_memory()["by_purpose"]), padded as it lays buckets out."""
+    return host_buffers(list(plan.buckets), plan.prediction("param_dtype_bytes", 4), world,
+                        int(plan.prediction("activations_offloaded_bytes", 0)), padded_numels(plan.buckets, ir),
+                        layout)
 
 
 def flow_buffer_peak(buckets, ir, align: int | None = None, spans_cache: dict | None = None) -> int:

@@ -35,7 +35,7 @@ from ..units import human_bytes
 from .activation_policy import _activation_policy
 from .bucketize import FP32_BYTES, bucketize
 from .floor import bucket_size_candidates, bucket_size_line, bucket_text, infeasible_message
-from .memory import MemoryEstimate, host_memory, runtime_device_bytes
+from .memory import HostLayout, MemoryEstimate, host_memory, padded_numels, runtime_device_bytes
 from .transfers import per_step_traffic
 from .plan import BucketPlan, Plan
 from .search_state import HOST_HEADROOM, PlanError, _compact_buckets, _Context, _device, _formula  # noqa: F401
@@ -471,7 +471,17 @@ def _apply_pins(ctx: _Context, buckets, decisions: list[str]):
 
 
 def _host(ctx: _Context, buckets):
-    return host_memory(buckets, ctx.weight_bytes, ctx.world, int(ctx.offloaded_bytes))
+    return host_memory(buckets, ctx.weight_bytes, ctx.world, int(ctx.offloaded_bytes),
+                       padded_numels(buckets, ctx.ir), host_layout(ctx.options, ctx.weight_bytes))
+
+
+def host_layout(options: Options, weight_bytes: int) -> HostLayout:
+    """The host layout the runtime of ``options.runtime`` will use: the CPU runtime pins nothing and fp32
+    parameters share the master; any other runtime (a GPU target's CUDA, or the emulated one) pins what crosses
+    the link. Gradient accumulation is the optimizer's argument, unknown here: its stage is not counted."""
+    if options.runtime == "cpu":
+        return HostLayout(pins=False, shared_master=weight_bytes == 4)
+    return HostLayout()
 
 
 def _rollback_modes(ctx: _Context, buckets, decisions: list[str]):

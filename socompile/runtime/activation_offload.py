@@ -39,7 +39,7 @@ import torch
 from . import handles
 from .device import DeviceRuntime
 from .events import EventLog
-from .memory import DeviceLedger
+from .memory import ACTIVATIONS, DeviceLedger, HostLedger
 from .traffic import ACTIVATION_FETCH, ACTIVATION_OFFLOAD, TrafficLedger
 
 IN_FLIGHT = "offloaded activations in flight"
@@ -68,9 +68,10 @@ def offloadable(t: torch.Tensor) -> bool:
 
 class ActivationOffloadRuntime:
     def __init__(self, device: DeviceRuntime, ledger: DeviceLedger | None = None, events: EventLog | None = None,
-                 traffic: TrafficLedger | None = None):
+                 traffic: TrafficLedger | None = None, host_ledger: HostLedger | None = None):
         self.device = device
         self.traffic = traffic if traffic is not None else TrafficLedger()
+        self.host_ledger = host_ledger   # books the host copies (the optimizer's, opt.host_memory())
         self.stream = device.stream("activations")
         self.ledger = ledger if ledger is not None else DeviceLedger()
         self.events = events if events is not None else EventLog()
@@ -88,7 +89,10 @@ class ActivationOffloadRuntime:
     def offload(self, layer: str, t: torch.Tensor) -> torch.Tensor:
         self.ledger.set_phase("forward")
         nbytes = t.numel() * t.element_size()
-        host = self.device.host_buffer(t.numel(), t.dtype).as_strided(t.size(), t.stride())
+        host = self.device.host_buffer(t.numel(), t.dtype)
+        if self.host_ledger is not None:   # released when the backward has dropped the copy
+            self.host_ledger.book(ACTIVATIONS, host, pinned=self.device.kind == "cuda")
+        host = host.as_strided(t.size(), t.stride())
         token = next(self._tokens)
         self.ledger.alloc(IN_FLIGHT, ("offload", token), nbytes)
         self.events.record("fw_offload_activation")

@@ -36,6 +36,7 @@ from torch import nn
 from ..dtypes import TORCH_DTYPES
 from ..plan.bucketize import ALIGN   # one layout fact for planner and runtime
 from .host_master import HostMasterCopies, flat_real
+from .memory import LANDING, MASTER, MOMENTS, SPARES
 from .traffic import TrafficLedger
 
 
@@ -67,7 +68,8 @@ def shard_window(numel: int, rank: int, world: int) -> tuple[int, int]:
 class FlatBucket(HostMasterCopies):
     def __init__(self, index: int, params: list[nn.Parameter], shard: tuple[int, int] | None = None, *,
                  host_master: str = "shared", site: str = "cpu", flow: bool = False, runtime=None,
-                 link_dtype: str | None = None, cast_site: str = "cpu", traffic: TrafficLedger | None = None):
+                 link_dtype: str | None = None, cast_site: str = "cpu", traffic: TrafficLedger | None = None,
+                 host_ledger=None):
         if host_master not in ("shared", "separate"):
             raise ValueError(f"host_master must be 'shared' or 'separate', got {host_master!r}")
         self.mirror = host_master == "separate"
@@ -93,6 +95,7 @@ class FlatBucket(HostMasterCopies):
         self.runtime = runtime         # DeviceRuntime of the parameters' device (mirror mode)
         self.cast_site = cast_site     # the plan's: bf16 weights are cast from the master on the "cpu" or "device"
         self.traffic = traffic if traffic is not None else TrafficLedger()   # bytes its copies move (per step)
+        self.host_ledger = host_ledger  # runtime/memory.py HostLedger: books every host buffer made here
         self.dtype = real_dtype(params[0].dtype) if params else torch.float32   # of the flat weights
         self.state_dtype = state_dtype(self.dtype)   # of master, grad, moments and spare
         self.device = params[0].device if params else torch.device("cpu")
@@ -104,8 +107,8 @@ class FlatBucket(HostMasterCopies):
             self.sizes.append(n)
             total += _round_up(n, ALIGN)
         self.numel = total
-        self.master = self._state_buffer(total)
-        self.grad = self._state_buffer(total, self._landing_dtype(link_dtype, shard))
+        self.master = self._state_buffer(total, MASTER)
+        self.grad = self._state_buffer(total, LANDING, dtype=self._landing_dtype(link_dtype, shard))
         self._init_host_copies(total)   # separate host master: device weights, copy events, stages
         self.window = None         # ZeRO: (lo, hi) elements this rank steps; None: the whole bucket
         self.state_lo = 0          # bucket element at which exp_avg / exp_avg_sq / the spare start
@@ -113,8 +116,8 @@ class FlatBucket(HostMasterCopies):
         if shard is not None and shard[1] > 1:
             self.window = shard_window(total, *shard)
             self.state_lo, state = self.window[0], self.window[1] - self.window[0]
-        self.exp_avg = self._state_buffer(state)
-        self.exp_avg_sq = self._state_buffer(state)
+        self.exp_avg = self._state_buffer(state, MOMENTS)
+        self.exp_avg_sq = self._state_buffer(state, MOMENTS)
         self.steps = [0] * len(params)
         self.has_grad = [False] * len(params)
         self.arrivals = 0          # backward passes that delivered this bucket's gradients since the last step
@@ -127,15 +130,28 @@ class FlatBucket(HostMasterCopies):
         self.spare = None          # (master, exp_avg, exp_avg_sq) of the ping-pong spare, allocated on first use
         self._views: dict[tuple[int, int], torch.Tensor] = {}
 
-    def _state_buffer(self, n: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def _state_buffer(self, n: int, purpose: str, crosses: bool | None = None,
+                      dtype: torch.dtype | None = None) -> torch.Tensor:
         """A zeroed buffer (``state_dtype`` unless ``dtype``) for master / grad / moments / spare: on the device
-        for a device-stepped mirror bucket, pinned host memory when a CUDA runtime copies it, else host memory."""
+        for a device-stepped mirror bucket; pinned host memory when a CUDA runtime copies it (``crosses``: the
+        gradient landing buffer, and the master when uploads or fetches read it, ``master_crosses``); else
+        pageable host memory (the moments, and the spares, never cross the link). Host buffers are booked in
+        ``host_ledger``."""
         dtype = dtype or self.state_dtype
         if self.mirror and self.site == "device":
             return torch.zeros(n, dtype=dtype, device=self.device)
-        if self._cuda_host():
-            return self.runtime.host_buffer(n, dtype).zero_()
-        return torch.zeros(n, dtype=dtype)
+        crosses = (purpose == LANDING or (purpose == MASTER and self.master_crosses())) if crosses is None \
+            else crosses
+        pinned = crosses and self._cuda_host()
+        buffer = self.runtime.host_buffer(n, dtype).zero_() if pinned else torch.zeros(n, dtype=dtype)
+        return self.book_host(purpose, buffer, pinned)
+
+    def book_host(self, purpose: str, buffer: torch.Tensor, pinned: bool) -> torch.Tensor:
+        """Book a host buffer of this bucket (a device-stepped bucket's buffers are device memory: the device
+        ledger's "GPU optimizer state", runtime/offload.py)."""
+        if self.host_ledger is not None and self.site == "cpu":
+            self.host_ledger.book(purpose, buffer, pinned)
+        return buffer
 
     def _landing_dtype(self, link_dtype: str | None, shard: tuple[int, int] | None) -> torch.dtype:
         """The dtype of the host gradient buffer: the plan's link dtype (what crosses the link lands as it
@@ -217,7 +233,8 @@ class FlatBucket(HostMasterCopies):
         if self.mirror and self.master.device.type != "cpu":
             self._no_zero()
         lo, hi = self.window = shard_window(self.numel, rank, world)
-        self.exp_avg, self.exp_avg_sq = self.exp_avg[lo:hi].clone(), self.exp_avg_sq[lo:hi].clone()
+        self.exp_avg, self.exp_avg_sq = (self.book_host(MOMENTS, t[lo:hi].clone(), False)
+                                         for t in (self.exp_avg, self.exp_avg_sq))
         self.state_lo, self.spare = lo, None
 
     def adopt(self, previous: dict[int, tuple["FlatBucket", int]]) -> None:
@@ -317,8 +334,11 @@ class FlatBucket(HostMasterCopies):
         """Spare (master, exp_avg, exp_avg_sq), indexed like the state buffers (``local``): when sharded the
         spare master covers the window only."""
         if self.spare is None:
-            self.spare = tuple(self._state_buffer(t.numel()) for t in
-                               ((self.exp_avg if self.sharded else self.master), self.exp_avg, self.exp_avg_sq))
+            # The spare master becomes the master at a commit (swap_in_spare): pinned when the master is.
+            master_size = (self.exp_avg if self.sharded else self.master).numel()
+            self.spare = (self._state_buffer(master_size, SPARES, crosses=not self.sharded and self.master_crosses()),
+                          self._state_buffer(self.exp_avg.numel(), SPARES, crosses=False),
+                          self._state_buffer(self.exp_avg_sq.numel(), SPARES, crosses=False))
         return self.spare
 
     def swap_in_spare(self) -> None:

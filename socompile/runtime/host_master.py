@@ -26,6 +26,7 @@ import contextlib
 
 import torch
 
+from .memory import ACCUMULATION, STAGING
 from .traffic import GRADIENTS, WEIGHT_UPLOAD
 
 
@@ -91,6 +92,15 @@ class HostMasterCopies:
         self._low_synced = True        # the bf16 copy the kernel may write (weights on the CPU, _stage16 on CUDA)
         #                                equals master cast to bf16
 
+    def master_crosses(self) -> bool:
+        """The host master is read by copies to the device (pinned on CUDA) when the weights are not bf16: their
+        uploads and fetches read it. bf16 weights go up and are fetched from the pinned bf16 stage; only a flow
+        fetch with an fp32 link dtype (or a stage out of sync) reads their master, a copy from pageable memory
+        that CUDA makes synchronous: correct, at the pageable rate. A shared master never crosses. A stationary
+        bucket whose plan casts on the device (``cast_site == "device"``) uploads its fp32 master itself."""
+        device_cast = self.cast_site == "device" and not self.flow and self.site == "cpu"
+        return self.mirror and (self.dtype != torch.bfloat16 or device_cast)
+
     def _cuda_host(self) -> bool:
         """Host buffers that the runtime's copy streams read or write asynchronously (pinned)."""
         return self.mirror and self.site == "cpu" and self.runtime is not None and self.runtime.kind == "cuda"
@@ -130,8 +140,10 @@ class HostMasterCopies:
 
     def _sync_stage16(self) -> None:
         if self._stage16 is None:
-            self._stage16 = (self.runtime.host_buffer(self.numel, torch.bfloat16) if self.runtime is not None
-                             else torch.empty(self.numel, dtype=torch.bfloat16))
+            pinned = self._cuda_host()
+            self._stage16 = self.book_host(STAGING, self.runtime.host_buffer(self.numel, torch.bfloat16)
+                                           if self.runtime is not None else torch.empty(self.numel, dtype=torch.bfloat16),
+                                           pinned)
             self._low_synced = False
         if not self._low_synced:
             self.before_host_write()
@@ -290,7 +302,8 @@ class HostMasterCopies:
                 add = accumulate and self.has_grad[i]
                 if add:
                     if self._stage_acc is None:
-                        self._stage_acc = self.runtime.host_buffer(self.numel, self.grad.dtype)
+                        self._stage_acc = self.book_host(ACCUMULATION,
+                                                         self.runtime.host_buffer(self.numel, self.grad.dtype), True)
                     self._pending_adds.append(i)
                 pairs.append(((self._stage_acc if add else self.grad)[seg], flat_real(g)))
                 self.has_grad[i] = True

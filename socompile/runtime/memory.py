@@ -14,7 +14,9 @@ runtime's and are not counted here (on CUDA, torch.cuda.max_memory_allocated see
 """
 from __future__ import annotations
 
+import itertools
 import threading
+import weakref
 
 
 class DeviceLedger:
@@ -69,3 +71,55 @@ class DeviceLedger:
         with self._lock:
             return {"current": self.current, "peak": self.peak, "peak_parts": dict(self.peak_parts),
                     "phase_peak": dict(self.phase_peak), "by_category": dict(self.by_category)}
+
+
+# Purposes of the host buffers the runtime allocates (HostLedger); plan/memory.py predicts the same names.
+MASTER = "fp32 master"
+MOMENTS = "Adam moments"
+SPARES = "ping-pong spares"
+LANDING = "gradient landing"
+ACCUMULATION = "gradient accumulation stage"
+STAGING = "bf16 staging copy"
+ACTIVATIONS = "offloaded activations"
+HOST_PURPOSES = (MASTER, MOMENTS, SPARES, LANDING, ACCUMULATION, STAGING, ACTIVATIONS)
+
+
+class HostLedger(DeviceLedger):
+    """Host-memory accounting: every host buffer the runtime allocates, booked by purpose (HOST_PURPOSES) and
+    as pinned or pageable when it is made, and released when its tensor is garbage (``weakref.finalize``), so a
+    buffer dropped anywhere (a ZeRO shard's old moments, a bucket laid out again, an offloaded activation the
+    backward consumed) leaves the books without a free call at each site. Categories are (purpose, "pinned" |
+    "pageable"). plan/memory.py (host_buffers) predicts the same books; tests compare them byte for byte."""
+
+    def __init__(self):
+        super().__init__()
+        # Reentrant: a finalizer may run from the garbage collector inside alloc() on the same thread.
+        self._lock = threading.RLock()
+        self._keys = itertools.count()
+
+    def book(self, purpose: str, tensor, pinned: bool):
+        """Book ``tensor`` (a host buffer just allocated) under ``purpose``; returns it."""
+        if purpose not in HOST_PURPOSES:
+            raise ValueError(f"host ledger: unknown purpose {purpose!r}; one of {HOST_PURPOSES}")
+        category, key = (purpose, "pinned" if pinned else "pageable"), next(self._keys)
+        self.alloc(category, key, tensor.numel() * tensor.element_size())
+        weakref.finalize(tensor, self.free, category, key)
+        return tensor
+
+    def host_summary(self) -> dict:
+        """{"current", "pinned", "pageable", "peak", "by_purpose": {purpose: {"pinned", "pageable"}},
+        "peak_by_purpose": the same at the peak}: bytes, purposes with no bytes left out."""
+        with self._lock:
+            now, at_peak = dict(self.by_category), dict(self.peak_parts)
+            current, peak = self.current, self.peak
+        pinned = sum(v for (_, kind), v in now.items() if kind == "pinned")
+        return {"current": current, "pinned": pinned, "pageable": current - pinned, "peak": peak,
+                "by_purpose": _by_purpose(now), "peak_by_purpose": _by_purpose(at_peak)}
+
+
+def _by_purpose(by_category: dict) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for (purpose, kind), nbytes in sorted(by_category.items()):
+        if nbytes:
+            out.setdefault(purpose, {"pinned": 0, "pageable": 0})[kind] += nbytes
+    return out
