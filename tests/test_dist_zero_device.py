@@ -132,7 +132,7 @@ def _worker(args: dict) -> dict:
            "host": _host_bytes(opt),
            "d2h": sum(b.device_shard.d2h_bytes for b in opt.buckets if b.device_shard),
            "h2d": sum(b.device_shard.h2d_bytes for b in opt.buckets if b.device_shard),
-           "device_extra": sum(b.device_shard.device_bytes() for b in opt.buckets if b.device_shard),
+           "device_ledger": opt.buckets[0].device_shard.pool.ledger.summary(),
            "taken_steps": sum(not s for s in skipped)}
     with opt.materialized_weights():
         weights = [p.detach().float().clone() for p in model.parameters()]

@@ -184,6 +184,10 @@ class ZeroSharding:
         """All-gather every bucket's updated master shard, so each rank has the full new weights."""
         self.stats.steps += 1
         self._reduced.clear()
+        for bucket in buckets:   # device-side ZeRO: every reduction is done; free the flat gradient buffers
+            if bucket.device_shard is not None:
+                bucket.device_shard.pool.settle(keep=0)
+                break
         if not changed:   # skipped step: no rank changed its shard
             return
         for bucket in buckets:

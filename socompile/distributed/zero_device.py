@@ -53,15 +53,17 @@ def start(sharding, bucket) -> object | None:
     stream-ordered backends land at once, see the NOTE)."""
     shard = bucket.device_shard
     with guard(f"reduce-scatter of bucket {bucket.index} (device)", sharding.group):
-        work = dist.reduce_scatter_tensor(shard.reduced, shard.grads, op=dist.ReduceOp.SUM, group=sharding.group,
-                                          async_op=True)
+        work = dist.reduce_scatter_tensor(shard.shard_buffer, shard.grads, op=dist.ReduceOp.SUM,
+                                          group=sharding.group, async_op=True)
     nbytes = shard.grads.numel() * shard.grads.element_size()
     sharding.stats.reduce_scatter_bytes += nbytes
     sharding.stats.sent_bytes += sharding._ring(nbytes)
     if sharding.stream_ordered:
         work.wait()
         shard.land(bucket)
+        shard.release_grads()   # stream-ordered: the allocator reuses it after the collective (record_stream)
         return None
+    shard.pool.reducing(work, shard)   # freed once done, by the training thread (ZeroPool.settle)
     return work
 
 
@@ -70,7 +72,7 @@ def finish(bucket, work, group) -> None:
     wait for that copy, so the CPU kernel may read ``bucket.grad``."""
     if work is not None:
         with guard(f"reduce-scatter of bucket {bucket.index} (device, wait)", group):
-            work.wait()
+            bucket.device_shard.wait_reduced()
         bucket.device_shard.land(bucket)
     bucket.wait_grads()
 
@@ -82,7 +84,7 @@ def publish(sharding, bucket) -> None:
     shard = bucket.device_shard
     shard.upload_shard(bucket)
     with guard(f"all-gather of bucket {bucket.index} (device)", sharding.group):
-        dist.all_gather_into_tensor(bucket.weights, shard.upload, group=sharding.group)
+        dist.all_gather_into_tensor(bucket.weights, shard.shard_buffer, group=sharding.group)
     nbytes = bucket.weights.numel() * bucket.weights.element_size()
     sharding.stats.all_gather_bytes += nbytes
     sharding.stats.sent_bytes += sharding._ring(nbytes)

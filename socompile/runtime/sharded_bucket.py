@@ -25,6 +25,8 @@ Per rank, with chunk = ceil(numel / W) and padded = W * chunk (the collectives n
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from .host_master import flat_real
@@ -47,36 +49,92 @@ def chunk_of(numel: int, world: int) -> int:
     return -(-numel // world)
 
 
+GRADIENTS = "ZeRO gradient buffers"   # device ledger categories (runtime/memory.py)
+SHARDS = "ZeRO shard buffers"
+
+
+class ZeroPool:
+    """What the device-sharded buckets of one runtime (one optimizer's device) share: the device ledger of their
+    buffers, and the reductions in flight, so that at most two flat gradient buffers live at once without
+    accumulation (one being filled by backward, one being reduced), as plan/memory.py counts them."""
+
+    def __init__(self):
+        from .memory import DeviceLedger
+        self.ledger = DeviceLedger()
+        self._reducing: list["DeviceShard"] = []   # shards whose reduce-scatter was issued, in issue order
+        self._lock = threading.Lock()
+
+    def reducing(self, work, shard: "DeviceShard") -> None:
+        shard.work = work
+        with self._lock:
+            self._reducing.append(shard)
+
+    def settle(self, keep: int = 1) -> None:
+        """Wait for every reduction but the last ``keep`` issued (gloo: they were issued a bucket's backward
+        ago) and free their flat gradient buffers. Training thread only (the collectives' issuing thread)."""
+        with self._lock:
+            done, self._reducing = self._reducing[:max(0, len(self._reducing) - keep)], \
+                self._reducing[max(0, len(self._reducing) - keep):]
+        for shard in done:
+            shard.wait_reduced()
+            shard.release_grads()
+
+
+def zero_pool(runtime) -> ZeroPool:
+    """The runtime's ZeroPool, made on first use. It lives on the runtime object because the runtime is exactly
+    the scope that shares it: one per optimizer and device (runtime/device.py ``Runtimes``)."""
+    pool = getattr(runtime, "zero_pool", None)
+    if pool is None:
+        pool = runtime.zero_pool = ZeroPool()
+    return pool
+
+
 class DeviceShard:
-    """The device buffers and link counters of one bucket's device-side ZeRO (``bucket.device_shard``)."""
+    """The device buffers and link counters of one bucket's device-side ZeRO (``bucket.device_shard``).
+
+    ``shard_buffer`` (chunk elements, the weights' dtype, kept): the reduce-scatter's output, the source of the
+    gradient shard's D2H copy, then the destination of the updated shard's upload and the all-gather's input.
+    ``grads`` (padded elements, the weights' dtype): made at the bucket's first gradient of an iteration, freed
+    once its reduce-scatter is done (``ZeroPool.settle``)."""
 
     def __init__(self, bucket, rank: int, world: int, lo: int, hi: int):
         self.rank, self.world, self.lo, self.hi = rank, world, lo, hi
+        self.index = bucket.index
         self.numel = bucket.numel
         self.chunk = chunk_of(bucket.numel, world)
         self.padded = self.chunk * world
-        rt = bucket.runtime
-        self.runtime = rt
-        # gradients are gathered and reduced in the weights' dtype: the link dtype of a bf16 model is bf16
-        self.grads = rt.empty(self.padded, bucket.dtype).zero_()
-        self.reduced = rt.empty(self.chunk, bucket.dtype).zero_()
-        self.upload = rt.empty(self.chunk, bucket.dtype).zero_()
-        self.stage = rt.host_buffer(self.chunk, torch.bfloat16) if bucket.dtype == torch.bfloat16 else None
+        self.dtype = bucket.dtype        # gradients are gathered and reduced in it: bf16 for a bf16 model
+        self.runtime = bucket.runtime
+        self.pool = zero_pool(self.runtime)
+        self.grads = None
+        self.work = None                 # the reduce-scatter in flight (gloo), waited once (wait_reduced)
+        self._work_lock = threading.Lock()
+        self.shard_buffer = self.runtime.empty(self.chunk, self.dtype).zero_()
+        self.stage = self.runtime.host_buffer(self.chunk, torch.bfloat16) if self.dtype == torch.bfloat16 else None
+        self.pool.ledger.alloc(SHARDS, id(self), self.fixed_device_bytes())
         self.d2h_bytes = 0      # bytes this rank copied down for this bucket (gradient shards)
         self.h2d_bytes = 0      # bytes this rank copied up (updated weight shards)
 
-    def device_bytes(self) -> int:
-        """Device bytes these buffers add to the bucket's (unpadded) weights: the gradients, the reduce-scatter's
-        output, the upload, and the weights' padding to W chunks."""
-        size = self.grads.element_size()
-        return size * (self.padded + 2 * self.chunk + (self.padded - self.numel))
+    @property
+    def element_size(self) -> int:
+        return self.shard_buffer.element_size()
+
+    def fixed_device_bytes(self) -> int:
+        """Device bytes kept for the bucket's whole life: the shard buffer and the weights' padding to W chunks."""
+        return self.element_size * (self.chunk + self.padded - self.numel)
+
+    def close(self) -> None:
+        self.release_grads()
+        self.pool.ledger.free(SHARDS, id(self))
 
     # ------------------------------------------------------------------ gradients
     def receive(self, bucket, segments: list[int], grads: list[torch.Tensor], accumulate: bool) -> None:
-        """Gather gradients into the flat device buffer (device-side copies or adds, on the compute stream).
-        A fresh iteration zeroes it first: a parameter without a gradient this time must add nothing."""
-        if not any(bucket.has_grad):
-            self.grads.zero_()
+        """Gather gradients into the flat device buffer (device-side copies or adds, on the compute stream),
+        made zeroed at the iteration's first gradient (a parameter without one adds nothing)."""
+        if self.grads is None:
+            self.pool.settle(keep=1)   # at most one other flat buffer stays: the one being reduced
+            self.grads = self.runtime.empty(self.padded, self.dtype).zero_()
+            self.pool.ledger.alloc(GRADIENTS, id(self), self.grads.numel() * self.element_size)
         for i, g in zip(segments, grads):
             dst = self.grads[bucket.segment(i)]
             if accumulate and bucket.has_grad[i]:
@@ -85,26 +143,40 @@ class DeviceShard:
                 dst.copy_(flat_real(g))
             bucket.has_grad[i] = True
 
+    def wait_reduced(self) -> None:
+        """Wait for the reduce-scatter in flight, from the CPU worker (to land it) or the training thread (to
+        free the flat buffer), whichever comes first; one thread waits on the work, the other on this lock."""
+        with self._work_lock:
+            if self.work is not None:
+                self.work.wait()
+                self.work = None
+
+    def release_grads(self) -> None:
+        if self.grads is not None:
+            self.grads = None
+            self.pool.ledger.free(GRADIENTS, id(self))
+
     def land(self, bucket) -> None:
         """After the reduce-scatter: average on the device and copy this rank's shard into the host landing
         buffer (``bucket.grad``) on the "d2h" stream; ``bucket.wait_grads`` waits for it."""
-        self.reduced.div_(self.world)   # gloo has no AVG; NCCL's would round the same way for W = 2^k
+        self.shard_buffer.div_(self.world)   # gloo has no AVG; NCCL's would round the same way for W = 2^k
         rt = self.runtime
-        bucket.grad_event = rt.copy_async(bucket.grad, self.reduced, rt.stream("d2h"))
-        self.d2h_bytes += self.reduced.numel() * self.reduced.element_size()
+        bucket.grad_event = rt.copy_async(bucket.grad, self.shard_buffer, rt.stream("d2h"))
+        self.d2h_bytes += self.chunk * self.element_size
 
     # ------------------------------------------------------------------- weights
     def upload_shard(self, bucket) -> None:
-        """The master shard, cast to the weights' dtype on the host (bf16: the pinned stage), into ``upload``
-        on the "h2d" stream; the compute stream waits for it (the all-gather or the window copy reads it)."""
+        """The master shard, cast to the weights' dtype on the host (bf16: the pinned stage), into the shard
+        buffer on the "h2d" stream; the compute stream waits for it (the all-gather or the window copy reads it)."""
         bucket.before_host_write()        # the previous upload read the stage / master: it must be done
+        bucket.wait_grads()               # the gradient shard's D2H copy read the shard buffer
         src = bucket.master
         if self.stage is not None:
             self.stage.copy_(bucket.master)
             src = self.stage
         rt = self.runtime
-        event = rt.copy_async(self.upload, src, rt.stream("h2d"))
-        self.h2d_bytes += self.upload.numel() * self.upload.element_size()
+        event = rt.copy_async(self.shard_buffer, src, rt.stream("h2d"))
+        self.h2d_bytes += self.chunk * self.element_size
         rt.wait_on_compute(event)
         bucket.upload_event, bucket._upload_waited = event, True
         bucket.dirty, bucket._low_synced = False, True
@@ -113,7 +185,7 @@ class DeviceShard:
         """``upload()`` without a collective (a rollback, a load): this rank's window of the device weights
         from its master shard; the other ranks' windows are theirs (the all-gather of ``publish`` fills them)."""
         self.upload_shard(bucket)
-        bucket.weights[self.lo:self.hi].copy_(self.upload[:self.hi - self.lo])
+        bucket.weights[self.lo:self.hi].copy_(self.shard_buffer[:self.hi - self.lo])
 
 
 def narrow_to_device_shard(bucket, rank: int, world: int) -> None:
@@ -128,6 +200,7 @@ def narrow_to_device_shard(bucket, rank: int, world: int) -> None:
     shard = DeviceShard(bucket, rank, world, lo, hi)
     pending = any(bucket.has_grad) and bucket.arrivals > 0   # mid-accumulation: the sums so far go to the device
     if pending:
+        shard.receive(bucket, [], [], accumulate=True)   # makes the flat buffer
         shard.grads[:bucket.numel].copy_(bucket.grad)
 
     def cut(whole: torch.Tensor) -> torch.Tensor:
@@ -161,11 +234,12 @@ def widen_from_gathered(bucket, master: torch.Tensor, exp_avg: torch.Tensor, exp
     shard = bucket.device_shard
     n = bucket.numel
     grad = torch.zeros(n, dtype=bucket.state_dtype)
-    if any(bucket.has_grad) and bucket.arrivals > 0:
+    if any(bucket.has_grad) and bucket.arrivals > 0 and shard.grads is not None:
         grad.copy_(shard.grads[:n])
     bucket.master, bucket.exp_avg, bucket.exp_avg_sq, bucket.grad = master[:n], exp_avg[:n], exp_avg_sq[:n], grad
     bucket.weights = bucket.weights[:n]
     bucket.spare, bucket._stage16 = None, None
     bucket._views.clear()
     bucket.window, bucket.state_lo, bucket.host_lo = None, 0, 0
+    shard.close()
     bucket.device_shard = None
