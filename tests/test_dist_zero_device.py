@@ -51,17 +51,36 @@ def _batches(topo, rows_per_rank: int, steps: int):
         yield torch.randint(0, 256, (rows_per_rank * topo.dp, 33), generator=gen)
 
 
+def _nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
 def _host_bytes(opt) -> dict:
-    """Host bytes the optimizer's buckets hold, by kind (what one rank allocated)."""
-    def nbytes(*ts):
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
-    out = {"master": 0, "moments": 0, "spares": 0, "gradients": 0}
+    """Host bytes the optimizer's buckets hold, by kind (what one rank allocated); "spares" per bucket (a bucket
+    makes its ping-pong spare when it first speculates)."""
+    out = {"master": 0, "moments": 0, "spares": [], "gradients": 0, "bf16 copies": 0}
     for b in opt.buckets:
-        out["master"] += nbytes(b.master)
-        out["moments"] += nbytes(b.exp_avg, b.exp_avg_sq)
-        out["spares"] += nbytes(*(b.spare or ()))
-        out["gradients"] += nbytes(b.grad, b._stage32)
+        out["master"] += _nbytes(b.master)
+        out["moments"] += _nbytes(b.exp_avg, b.exp_avg_sq)
+        out["spares"].append(_nbytes(*(b.spare or ())))
+        out["gradients"] += _nbytes(b.grad, b._stage32)
+        out["bf16 copies"] += _nbytes(b._stage16, b.device_shard.stage if b.device_shard else None)
     return out
+
+
+def _planned(opt, world: int) -> dict:
+    """plan/memory.py's per-rank host parts and device-side ZeRO bytes for the optimizer's buckets as laid out
+    (numel: the runtime's, alignment padding included; stationary CPU buckets, exact rollback, gradients crossing
+    the link in the weights' dtype and bf16 weights cast on the CPU, as the device path does)."""
+    from socompile.dtypes import dtype_name
+    from socompile.plan.memory import host_memory, zero_device_bytes
+    from socompile.plan.plan import BucketPlan
+    size = opt.buckets[0].weights.element_size()
+    plans = [BucketPlan(index=b.index, params=(), numel=b.numel, grad_bytes=4 * b.numel, optimizer_site="cpu",
+                        ready_after="", ready_position=0, cast_site="cpu", link_dtype=dtype_name(size))
+             for b in opt.buckets]
+    _, _, parts = host_memory(plans, size, world)
+    return {"host": dict(parts), "device": zero_device_bytes([b.numel for b in opt.buckets], world, size)}
 
 
 def _train(model, opt, topo, tokens_of_step, run, accumulate: int, nan: bool) -> tuple[list, list]:
@@ -129,7 +148,7 @@ def _worker(args: dict) -> dict:
     out = {"norms": norms, "skipped": skipped, "world": topo.world_size, "comm": sharding.stats.as_dict(),
            "device_sharded": [b.device_shard is not None for b in opt.buckets],
            "numels": [b.numel for b in opt.buckets], "windows": [b.window for b in opt.buckets],
-           "host": _host_bytes(opt),
+           "host": _host_bytes(opt), "planned": _planned(opt, topo.world_size),
            "d2h": sum(b.device_shard.d2h_bytes for b in opt.buckets if b.device_shard),
            "h2d": sum(b.device_shard.h2d_bytes for b in opt.buckets if b.device_shard),
            "device_ledger": opt.buckets[0].device_shard.pool.ledger.summary(),
@@ -228,17 +247,95 @@ def _check_memory_and_link(results: list[dict], link_bytes: int) -> None:
     for r in results:
         w = r["world"]
         chunks = [-(-n // w) for n in r["numels"]]
-        host = r["host"]
+        host, planned = r["host"], r["planned"]
         assert host["master"] == 4 * sum(chunks), host
         assert host["moments"] == 8 * sum(chunks), host
-        assert host["spares"] in (0, 12 * sum(chunks)), host
+        assert all(spare in (0, 12 * c) for spare, c in zip(host["spares"], chunks)), host
         assert host["gradients"] == link_bytes * sum(chunks), host
-        steps = r["taken_steps"] + 1   # the skipped step reduces and lands gradients too, publishes nothing
+        # the plan's host model (plan/memory.py host_memory) counts exactly these buffers, per shard
+        assert planned["host"]["fp32 master + Adam moments"] == host["master"] + host["moments"]
+        assert planned["host"]["ping-pong copies (exact rollback)"] == 12 * sum(chunks) >= sum(host["spares"])
+        assert planned["host"]["gradient landing buffers"] == host["gradients"]
+        assert planned["host"]["bf16 weight copies"] == (host["bf16 copies"] if link_bytes == 2 else 0)
+        # link bytes, counted at the runtime's copy calls: a gradient shard down per step (the skipped one too:
+        # its gradients are reduced and landed before the norm says skip), an updated weight shard up per taken step
+        steps = r["taken_steps"] + 1
         assert r["d2h"] == steps * link_bytes * sum(chunks), (r["d2h"], chunks)
         assert r["h2d"] == r["taken_steps"] * link_bytes * sum(chunks), (r["h2d"], chunks)
+        ledger = r["device_ledger"]
+        assert ledger["by_category"]["ZeRO shard buffers"] == planned["device"]["kept"], (ledger, planned)
+        assert ledger["by_category"]["ZeRO gradient buffers"] == 0, "every flat gradient buffer freed after step()"
 
 
-def test_device_zero_dp2_fp32_eager_equals_torch_with_clipping_and_a_nan_step():
+def _check_one_process_memory(results: list[dict]) -> None:
+    """Against one process (W = 1, same runtime): master, moments and gradients per rank are 1/W (+ padding)."""
+    for r in results:
+        one, w = r["one"]["host"], r["world"]
+        padding = sum(-(-n // w) * w - n for n in r["numels"])
+        assert r["one"]["numels"] == r["numels"]
+        for kind in ("master", "moments"):
+            assert r["host"][kind] * w == one[kind] + padding * (4 if kind == "master" else 8), (kind, r["host"], one)
+        assert r["host"]["gradients"] * w <= one["gradients"] + 4 * padding, (r["host"], one)
+
+
+def _check_gradient_buffer_peak(results: list[dict]) -> None:
+    """Compiled: gradients arrive bucket by bucket, so at most two flat gradient buffers live at once (the plan's
+    "gradients" part: two buckets adjacent in gradient order)."""
+    for r in results:
+        peak = r["device_ledger"]["peak_parts"].get("ZeRO gradient buffers", 0)
+        assert 0 < peak <= r["planned"]["device"]["gradients"], (r["device_ledger"], r["planned"])
+
+
+def test_device_zero_dp2_bf16_compiled_equals_one_process_with_host_state_and_link_bytes_1_over_w():
+    results = _results({"dtype": "bfloat16", "compile": True}, 2)
+    _check_bf16(results)
+    _check_memory_and_link(results, 2)
+    _check_one_process_memory(results)
+    _check_gradient_buffer_peak(results)
+    assert any(results[0]["host"]["spares"]), "compiled with clipping: buckets speculate into ping-pong spares"
+
+
+def test_device_zero_dp3_fp32_eager_pads_buckets_and_equals_torch():
+    results = _results({"dtype": "float32"}, 3)
+    assert any(n % 3 for n in results[0]["numels"]), "some bucket must be padded to 3 equal chunks"
+    _check_fp32(results)
+    _check_memory_and_link(results, 4)
+
+
+@pytest.mark.slow
+def test_device_zero_dp2_fp32_eager_equals_torch():
     results = _results({"dtype": "float32"}, 2)
+    _check_fp32(results)
+    _check_memory_and_link(results, 4)
+
+
+@pytest.mark.slow
+def test_device_zero_dp3_bf16_eager_equals_one_process():
+    results = _results({"dtype": "bfloat16"}, 3)
+    _check_bf16(results)
+    _check_memory_and_link(results, 2)
+    _check_one_process_memory(results)
+
+
+@pytest.mark.slow
+def test_device_zero_with_ulysses_sp2_equals_torch():
+    # dp 1 x sp 2: each rank sees half of every sequence; ZeRO shards over both (tests/test_dist_zero.py's NOTE)
+    results = _results({"dtype": "float32", "sp": 2}, 2)
+    _check_fp32(results)
+    _check_memory_and_link(results, 4)
+
+
+@pytest.mark.slow
+def test_device_zero_dp2_x_sp2_compiled_equals_torch():
+    results = _results({"dtype": "float32", "sp": 2, "compile": True}, 4)
+    _check_fp32(results)
+    _check_memory_and_link(results, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_device_zero_gradient_accumulation_equals_torch(compile):
+    # 2 micro-batches per step on each rank, summed in the device buffer, reduced once per step
+    results = _results({"dtype": "float32", "accumulate": 2, "compile": compile}, 2)
     _check_fp32(results)
     _check_memory_and_link(results, 4)
