@@ -339,3 +339,56 @@ def test_device_zero_gradient_accumulation_equals_torch(compile):
     results = _results({"dtype": "float32", "accumulate": 2, "compile": compile}, 2)
     _check_fp32(results)
     _check_memory_and_link(results, 4)
+
+
+# ------------------------------------------------------------- one process: the layout of each rank, no collectives
+def _device_sharded_optimizer(monkeypatch, world: int, rank: int, preset: str = "tiny"):
+    """A bf16 model's socompile.AdamW on the emulated runtime, its buckets cut as rank ``rank`` of ``world`` cuts
+    them (FlatBucket.shard needs no process group), spares made (as speculation makes them)."""
+    import socompile
+    from socompile.models import build
+    monkeypatch.setenv("SOCOMPILE_RUNTIME", "emulated")
+    torch.manual_seed(0)
+    model = build(preset, n_layers=1).to(torch.bfloat16)
+    opt = socompile.AdamW(model.parameters(), lr=1e-3, bucket_size="40KB")
+    for b in opt.buckets:
+        b.shard(rank, world)
+        b.spare_buffers()
+    return model, opt
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_each_rank_holds_1_over_w_of_one_process_host_state_as_the_plan_counts(monkeypatch, world):
+    _, one = _device_sharded_optimizer(monkeypatch, 1, 0)
+    full = _host_bytes(one)
+    total = {"master": 0, "moments": 0, "spares": 0}
+    for rank in range(world):
+        _, opt = _device_sharded_optimizer(monkeypatch, world, rank)
+        assert all(b.device_shard is not None for b in opt.buckets)
+        host, planned = _host_bytes(opt), _planned(opt, world)
+        chunks = sum(-(-b.numel // world) for b in opt.buckets)
+        padding = chunks * world - sum(b.numel for b in opt.buckets)
+        # per rank: 1/W of one process's fp32 master, moments and spares, plus its share of the padding
+        assert host["master"] * world == full["master"] + 4 * padding
+        assert host["moments"] * world == full["moments"] + 8 * padding
+        assert sum(host["spares"]) * world == sum(full["spares"]) + 12 * padding
+        assert host["gradients"] == 2 * chunks     # the bf16 landing buffer of the shard (one process: fp32, whole)
+        assert planned["host"]["fp32 master + Adam moments"] == host["master"] + host["moments"]
+        assert planned["host"]["ping-pong copies (exact rollback)"] == sum(host["spares"])
+        assert planned["host"]["gradient landing buffers"] == host["gradients"]
+        assert planned["host"]["bf16 weight copies"] == host["bf16 copies"]
+        ledger = opt.buckets[0].device_shard.pool.ledger.summary()
+        assert ledger["by_category"]["ZeRO shard buffers"] == planned["device"]["kept"]
+        for kind in total:
+            total[kind] += sum(host[kind]) if kind == "spares" else host[kind]
+    assert total["master"] == full["master"] + 4 * padding   # the ranks' shards cover the bucket once
+
+
+def test_a_whole_master_read_of_a_device_sharded_bucket_names_the_cause(monkeypatch):
+    model, opt = _device_sharded_optimizer(monkeypatch, 2, 1)
+    bucket = opt.buckets[0]
+    with pytest.raises(NotImplementedError, match=r"sharded on the device .* 1/2 of the fp32 master"):
+        bucket.view(bucket.master, 0)
+    # the weights stay whole: the parameters are views of the device buffer, padded to 2 equal chunks
+    assert bucket.weights.numel() == bucket.device_shard.padded >= bucket.numel
+    assert all(p.untyped_storage().data_ptr() == bucket.weights.untyped_storage().data_ptr() for p in bucket.params)
