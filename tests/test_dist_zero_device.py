@@ -64,7 +64,8 @@ def _host_bytes(opt) -> dict:
         out["moments"] += _nbytes(b.exp_avg, b.exp_avg_sq)
         out["spares"].append(_nbytes(*(b.spare or ())))
         out["gradients"] += _nbytes(b.grad, b._stage32)
-        out["bf16 copies"] += _nbytes(b._stage16, b.device_shard.stage if b.device_shard else None)
+        shard = getattr(b, "device_shard", None)
+        out["bf16 copies"] += _nbytes(b._stage16, shard.stage if shard else None)
     return out
 
 
@@ -364,8 +365,7 @@ def test_each_rank_holds_1_over_w_of_one_process_host_state_as_the_plan_counts(m
     total = {"master": 0, "moments": 0, "spares": 0}
     for rank in range(world):
         _, opt = _device_sharded_optimizer(monkeypatch, world, rank)
-        assert all(b.device_shard is not None for b in opt.buckets)
-        host, planned = _host_bytes(opt), _planned(opt, world)
+        host = _host_bytes(opt)
         chunks = sum(-(-b.numel // world) for b in opt.buckets)
         padding = chunks * world - sum(b.numel for b in opt.buckets)
         # per rank: 1/W of one process's fp32 master, moments and spares, plus its share of the padding
@@ -373,6 +373,8 @@ def test_each_rank_holds_1_over_w_of_one_process_host_state_as_the_plan_counts(m
         assert host["moments"] * world == full["moments"] + 8 * padding
         assert sum(host["spares"]) * world == sum(full["spares"]) + 12 * padding
         assert host["gradients"] == 2 * chunks     # the bf16 landing buffer of the shard (one process: fp32, whole)
+        assert all(b.device_shard is not None for b in opt.buckets)
+        planned = _planned(opt, world)
         assert planned["host"]["fp32 master + Adam moments"] == host["master"] + host["moments"]
         assert planned["host"]["ping-pong copies (exact rollback)"] == sum(host["spares"])
         assert planned["host"]["gradient landing buffers"] == host["gradients"]

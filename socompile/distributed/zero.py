@@ -26,6 +26,12 @@ from the training thread: reduce-scatters in backward-graph order (identical on 
 Sharding the world group (dp x sp) is right for Ulysses too: sequence-parallel ranks see different tokens of
 the same sequences, so their gradients must be averaged like data-parallel ones (equal shard sizes).
 
+Device-side ZeRO (``zero_device.py``, runtime/sharded_bucket.py): a separate host master on a CUDA runtime (a GPU,
+or the emulated device) is reduce-scattered from the device gradients in the weights' dtype, lands as this rank's
+shard only, and the device weights are all-gathered from the uploaded shards; its master, gradients and state are
+1/W per rank. The hooks below hand such buckets (``bucket.device_shard``) to zero_device.py; the rest of this
+docstring describes the host path, which the other buckets take (a CPU runtime's shared master IS the weights).
+
 Memory: each rank allocates exp_avg, exp_avg_sq and the ping-pong spare (master window and moments) for its
 window only (``FlatBucket.shard``): optimizer state is ~1/W of one process's. The fp32 weights (``master``, the
 model aliases them) and the gradient buffer (backward writes whole gradients; it is the reduce-scatter's input)

@@ -22,7 +22,10 @@ gradients in ``grad`` (the reduce-scatter waits for that copy, ``wait_grads``), 
 ``master``, and once the all-gather has filled the whole ``master`` it is marked changed (``master_changed``),
 so the upload casts all of it into the device ``weights`` (or the bf16 stage a flow bucket's fetch reads). A
 device-stepped bucket whose state is on a GPU (``site == "device"`` on CUDA) cannot be sharded yet
-(``_no_zero``; on the CPU build its buffers are host memory and it shards like the others).
+(``_no_zero``; on the CPU build its buffers are host memory and it shards like the others). Device-side ZeRO
+(runtime/sharded_bucket.py: a separate master on a CUDA runtime, stepped on the CPU, stationary) cuts ``master``
+and ``grad`` too: they hold this rank's chunk from ``host_lo`` (``host(start, end)`` indexes them), and the
+gradients are gathered and reduced on the device (``device_shard``).
 
 NOTE: host master, "shared" or "separate". With a separate host master the bucket also keeps the parameters'
 own device ``weights`` and copies gradients in and the updated master out: that part of the class is
