@@ -201,10 +201,9 @@ class HostMasterCopies:
             return   # parameters alias the master, or flow weights that hold nothing (see ``materialized``)
         self.wait_upload_on_compute()   # CUDA: an upload still writing the weights is ordered before the read
         self.before_host_write()
-        if self.device_shard is not None:   # device-side ZeRO: this rank's window of the master only
-            lo, hi = self.window
-            self.master[self.host(lo, hi)].copy_(self.weights[lo:hi])
-            self.master_changed()
+        if self.device_shard is not None:   # device-side ZeRO: the parts in this rank's window only
+            for i in range(len(self.params)) if segments is None else segments:
+                self._load_segment_window(i, self.view(self.weights, i))
             return
         for i in range(len(self.params)) if segments is None else segments:
             seg = self.segment(i)
