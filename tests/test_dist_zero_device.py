@@ -395,3 +395,17 @@ def test_a_whole_master_read_of_a_device_sharded_bucket_names_the_cause(monkeypa
     # the weights stay whole: the parameters are views of the device buffer, padded to 2 equal chunks
     assert bucket.weights.numel() == bucket.device_shard.padded >= bucket.numel
     assert all(p.untyped_storage().data_ptr() == bucket.weights.untyped_storage().data_ptr() for p in bucket.params)
+    # a value written into the weights (a model load) reaches this rank's window of the master, and only that part
+    i = len(bucket.params) - 1
+    lo, hi = bucket.window
+    seg = bucket.segment(i)
+    start, end = max(seg.start, lo), min(seg.stop, hi)
+    assert end > start, "the bucket's last parameter ends in the last rank's window"
+    before = bucket.master.clone()
+    with torch.no_grad():
+        bucket.params[i].fill_(0.5)
+    bucket.pull_from_weights([i])
+    assert bool((bucket.master[bucket.host(start, end)] == 0.5).all())
+    untouched = torch.ones_like(before, dtype=torch.bool)
+    untouched[bucket.host(start, end)] = False
+    assert torch.equal(bucket.master[untouched], before[untouched])
