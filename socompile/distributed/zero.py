@@ -26,6 +26,12 @@ from the training thread: reduce-scatters in backward-graph order (identical on 
 Sharding the world group (dp x sp) is right for Ulysses too: sequence-parallel ranks see different tokens of
 the same sequences, so their gradients must be averaged like data-parallel ones (equal shard sizes).
 
+Device-side ZeRO (``zero_device.py``, runtime/sharded_bucket.py): a separate host master on a CUDA runtime (a GPU,
+or the emulated device) is reduce-scattered from the device gradients in the weights' dtype, lands as this rank's
+shard only, and the device weights are all-gathered from the uploaded shards; its master, gradients and state are
+1/W per rank. The hooks below hand such buckets (``bucket.device_shard``) to zero_device.py; the rest of this
+docstring describes the host path, which the other buckets take (a CPU runtime's shared master IS the weights).
+
 Memory: each rank allocates exp_avg, exp_avg_sq and the ping-pong spare (master window and moments) for its
 window only (``FlatBucket.shard``): optimizer state is ~1/W of one process's. The fp32 weights (``master``, the
 model aliases them) and the gradient buffer (backward writes whole gradients; it is the reduce-scatter's input)
@@ -39,6 +45,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from ..runtime.sharded_bucket import widen_from_gathered
+from . import zero_device
 from .faults import agree_across_ranks, field_hashes, guard
 
 
@@ -73,6 +81,7 @@ class ZeroSharding:
         self.stats = CommStats()
         self._inflight: dict[int, tuple] = {}    # id(bucket) -> (work, received shard, bucket)
         self._reduced: set[int] = set()          # ids of buckets whose shard holds reduced gradients now
+        self.stream_ordered = zero_device.stream_ordered(group)   # NCCL: waits order streams (zero_device.py)
 
     # ---------------------------------------------------------------- layout
     def shard_of(self, bucket) -> _Shard:
@@ -91,15 +100,19 @@ class ZeroSharding:
                                "ranks re-lay out different optimizer buckets (their optimizers or plans differ); "
                                "every rank must build the same optimizer and compile with the same options.")
         for bucket in buckets:
+            if bucket.device_shard is not None:   # master and moments are sharded: all of them come back whole
+                widen_from_gathered(bucket, *zero_device.gather_whole(self, bucket))
+                continue
             shard = self.shard_of(bucket)
             full = []
             for name, local in (("exp_avg", bucket.exp_avg), ("exp_avg_sq", bucket.exp_avg_sq)):
                 mine = torch.zeros(shard.chunk, dtype=local.dtype)
                 mine[:local.numel()].copy_(local)
                 out = torch.empty(shard.padded, dtype=local.dtype)
-                with guard(f"all-gather of bucket {bucket.index}'s {name} (re-layout)", self.group):
-                    dist.all_gather_single(out, mine, group=self.group) if hasattr(dist, "all_gather_single") \
-                        else dist.all_gather_into_tensor(out, mine, group=self.group)
+                with guard(f"all-gather of bucket {bucket.index}'s {name} (re-layout)", self.group), \
+                        zero_device.staged(out, self.group) as dst, zero_device.staged(mine, self.group) as src:
+                    dist.all_gather_single(dst, src, group=self.group) if hasattr(dist, "all_gather_single") \
+                        else dist.all_gather_into_tensor(dst, src, group=self.group)
                 full.append(out[:bucket.numel])
             bucket.exp_avg, bucket.exp_avg_sq = full
             bucket.state_lo, bucket.spare, bucket.window = 0, None, None
@@ -111,6 +124,9 @@ class ZeroSharding:
     def start_reduce(self, bucket) -> None:
         """Issue the bucket's reduce-scatter (async). Training thread only: collectives match by issue order."""
         if id(bucket) in self._inflight or id(bucket) in self._reduced:
+            return
+        if bucket.device_shard is not None:   # the device gradients, reduced on the device (zero_device.py)
+            self._inflight[id(bucket)] = (zero_device.start(self, bucket), None, bucket)
             return
         shard = self.shard_of(bucket)
         # Separate host master: the copy-in of the device gradients (CUDA: async on the "d2h" stream, and staged
@@ -140,6 +156,10 @@ class ZeroSharding:
         if entry is None:
             return
         work, recv, _ = entry
+        if bucket.device_shard is not None:
+            zero_device.finish(bucket, work, self.group)
+            self._reduced.add(id(bucket))
+            return
         with guard(f"reduce-scatter of bucket {bucket.index} (wait)", self.group):
             work.wait()
         shard = self.shard_of(bucket)
@@ -159,8 +179,8 @@ class ZeroSharding:
     def global_stats(self, sumsq: float, nonfinite: bool) -> tuple[float, bool]:
         """Sum the shards' squared-norm partials and OR their non-finite flags over all ranks (float64)."""
         both = torch.tensor([sumsq if not nonfinite else 0.0, 1.0 if nonfinite else 0.0], dtype=torch.float64)
-        with guard("all-reduce of the gradient norm", self.group):
-            dist.all_reduce(both, op=dist.ReduceOp.SUM, group=self.group)
+        with guard("all-reduce of the gradient norm", self.group), zero_device.staged(both, self.group) as sent:
+            dist.all_reduce(sent, op=dist.ReduceOp.SUM, group=self.group)
         self.stats.all_reduce_bytes += both.numel() * both.element_size()
         self.stats.sent_bytes += self._ring(both.numel() * both.element_size(), 2.0)
         return float(both[0]), bool(both[1] > 0)
@@ -170,20 +190,28 @@ class ZeroSharding:
         """All-gather every bucket's updated master shard, so each rank has the full new weights."""
         self.stats.steps += 1
         self._reduced.clear()
+        for bucket in buckets:   # device-side ZeRO: every reduction is done; free the flat gradient buffers
+            if bucket.device_shard is not None:
+                bucket.device_shard.pool.settle(keep=0)
+                break
         if not changed:   # skipped step: no rank changed its shard
             return
         for bucket in buckets:
             if not any(bucket.has_grad):
                 continue
+            if bucket.device_shard is not None:   # upload the shard, all-gather the device weights
+                zero_device.publish(self, bucket)
+                continue
             shard = self.shard_of(bucket)
             mine = torch.zeros(shard.chunk, dtype=bucket.master.dtype)
             mine[:shard.hi - shard.lo].copy_(bucket.master[shard.lo:shard.hi])
             full = torch.empty(shard.padded, dtype=bucket.master.dtype)
-            with guard(f"all-gather of bucket {bucket.index}", self.group):
+            with guard(f"all-gather of bucket {bucket.index}", self.group), \
+                    zero_device.staged(full, self.group) as dst, zero_device.staged(mine, self.group) as src:
                 if hasattr(dist, "all_gather_single"):
-                    dist.all_gather_single(full, mine, group=self.group)
+                    dist.all_gather_single(dst, src, group=self.group)
                 else:
-                    dist.all_gather_into_tensor(full, mine, group=self.group)
+                    dist.all_gather_into_tensor(dst, src, group=self.group)
             bucket.before_host_write()   # separate master, CUDA: an upload still reading the master is done
             bucket.master.copy_(full[:bucket.numel])
             if bucket.mirror:   # the device weights (a flow bucket: the bf16 stage) are cast again from all of it
@@ -212,7 +240,8 @@ def shard_optimizer(optimizer, group=None, broadcast_from: int | None = 0) -> Ze
         with guard("broadcast of the initial weights", group):
             for bucket in optimizer.buckets:
                 bucket.before_host_write()
-                dist.broadcast(bucket.master, src=source, group=group)
+                with zero_device.staged(bucket.master, group) as master:
+                    dist.broadcast(master, src=source, group=group)
                 if bucket.mirror:   # separate master: every rank's device weights from the broadcast master
                     bucket.master_changed()
         optimizer._upload(optimizer.buckets)

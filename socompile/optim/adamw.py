@@ -230,7 +230,8 @@ class AdamW(torch.optim.Optimizer):
             shard = (self._sharding.rank, self._sharding.world)
             # ... and state held by other ranks under the old layout is gathered first (same order everywhere)
             old = {id(b): b for params in param_lists for p in params if id(p) in self._slot
-                   for b in (self._slot[id(p)][0],) if b.sharded and any(b.steps)}
+                   for b in (self._slot[id(p)][0],)
+                   if b.sharded and (any(b.steps) or b.device_shard is not None)}   # device-side: the master too
             self._sharding.unshard_state(list(old.values()))
         for k, (index, params) in enumerate(zip(indices, param_lists)):
             runtime = None

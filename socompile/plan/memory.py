@@ -7,6 +7,9 @@ Device (per step, at the activation peak):
   + gradient staging for CPU buckets    (2 buckets: one being filled, one on the link)
   + weight-flow buffers                 ((max prefetch distance + 1) * largest flow bucket, in its link dtype)
   + upload staging for device casts     (2 * largest stationary CPU bucket, fp32)
+  + ZeRO device buffers (world > 1)     (zero_device_bytes: per stationary CPU bucket its shard buffer and its
+                                         weights' padding to W chunks, kept; flat gradient buffers of two buckets
+                                         adjacent in gradient order, while one fills and one is reduced)
 Gradient staging is no buffer of the runtime's: it is the backward graph's own gradient tensors, held by a
 bucket's step node until the bucket is complete and by its device-to-host copy until it lands in the pinned
 landing buffer (runtime/host_master.py), so perf/analysis.py does not count them as activations. The floor of a plan
@@ -62,11 +65,27 @@ def device_memory(buckets: list[BucketPlan], weight_bytes: int, activations: flo
              ("GPU optimizer state", gpu_state * 12 // max(1, world) + gpu_state * weight_bytes),
              ("gradient staging", staging),
              ("weight-flow buffers", flow_buffers), ("upload staging", upload))
+    if world > 1:   # device-side ZeRO of the stationary CPU buckets (runtime/sharded_bucket.py)
+        zero = zero_device_bytes([b.numel for b in cpu if b.weight_mode == "stationary"], world, weight_bytes)
+        parts += (("ZeRO device buffers", zero["kept"] + zero["gradients"]),)
     fixed = int(sum(v for k, v in parts if k != "activations"))
     expr = sympy.Add(activations_expr, fixed) if not isinstance(activations_expr, (int, float)) \
         else activations_expr + fixed
     return MemoryEstimate(device_peak=sum(v for _, v in parts), device_expr=expr, device_parts=parts,
                           host_total=0, host_pinned=0, host_parts=())
+
+
+def zero_device_bytes(numels: list[int], world: int, weight_bytes: int) -> dict:
+    """Device bytes of device-side ZeRO (runtime/sharded_bucket.py) for buckets of ``numels`` elements in gradient
+    order, per rank: "kept" (each bucket's shard buffer of ceil(numel / W) elements and its weights' padding to W
+    equal chunks) and "gradients" (the peak of the flat gradient buffers of W * ceil(numel / W) elements, made at a
+    bucket's first gradient and freed once its reduce-scatter is done: two buckets adjacent in gradient order are
+    live at once, one filling and one being reduced), in the weights' dtype (the link dtype of the collectives)."""
+    chunks = [-(-n // world) for n in numels]
+    padded = [c * world for c in chunks]
+    kept = weight_bytes * sum(c + p - n for c, p, n in zip(chunks, padded, numels))
+    pairs = [a + b for a, b in zip(padded, padded[1:])] or padded
+    return {"kept": kept, "gradients": weight_bytes * max(pairs, default=0)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,17 +114,22 @@ def bucket_host_buffers(b: BucketPlan, numel: int, weight_bytes: int, world: int
     pins = layout.pins and separate
     bf16 = weight_bytes == 2
     flow = separate and b.weight_mode == "flow"
+    # device-side ZeRO (runtime/sharded_bucket.py: stationary, separate master, CUDA): the shard goes up cast on
+    # the host from a bf16 stage of the shard; gradients accumulate on the device
+    zero_device = pins and world > 1 and b.weight_mode == "stationary"
     # the plan's device cast (stationary bf16 weights, cast_site "device"): the fp32 master itself is uploaded
-    device_cast = separate and bf16 and b.weight_mode == "stationary" and b.cast_site == "device"
+    device_cast = separate and bf16 and b.weight_mode == "stationary" and b.cast_site == "device" and not zero_device
     master_crosses = pins and (not bf16 or device_cast)   # uploads and fetches of non-bf16 weights read the master
     out = [(MASTER, 4 * shard, master_crosses), (MOMENTS, 8 * shard, False)]
     if b.rollback == "exact":   # the spare master becomes the master at a commit: pinned like it (unsharded)
         out += [(SPARES, 4 * shard, master_crosses and world <= 1), (SPARES, 8 * shard, False)]
     landing = 4 if layout.shared_master else dtype_bytes(b.link_dtype)   # shared: the parameters' fp32 .grad
     out.append((LANDING, shard * landing, pins))
-    if pins and layout.accumulation:   # later micro-batches land in a stage of the landing dtype, then are added
+    if pins and layout.accumulation and not zero_device:   # later micro-batches land in a stage, then are added
         out.append((ACCUMULATION, landing * numel, True))
-    if separate and bf16 and not device_cast and (pins or flow):   # host-cast uploads and fetches read a bf16 copy
+    if zero_device and bf16:
+        out.append((STAGING, 2 * shard, True))
+    elif separate and bf16 and not device_cast and (pins or flow):   # host-cast uploads and fetches read a bf16 copy
         out.append((STAGING, 2 * numel, pins))
     return out
 

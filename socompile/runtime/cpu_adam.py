@@ -81,12 +81,13 @@ def step_bucket(bucket: FlatBucket, groups: list[dict], grad_scale: float = 1.0,
     with _kernel_threads(kernel, bucket):
         for start, end, gi, step in bucket.runs(bucket.group_of):
             loc = bucket.local(start, end)   # the state buffers (and the spare) may cover this rank's shard only
+            own = bucket.host(start, end)    # master and grad too, under device-side ZeRO
             out = {}
             if outputs is not None:
                 out = dict(param_out=outputs[0][loc], exp_avg_out=outputs[1][loc], exp_avg_sq_out=outputs[2][loc])
             if low is not None:
                 out["param_bf16_out"] = low[start:end]
-            s, bad = kernel.adam_step(bucket.master[start:end], bucket.grad[start:end], bucket.exp_avg[loc],
+            s, bad = kernel.adam_step(bucket.master[own], bucket.grad[own], bucket.exp_avg[loc],
                                       bucket.exp_avg_sq[loc], grad_scale=grad_scale,
                                       **_hyper(groups[gi], step), **out)
             total, nonfinite = total + s, nonfinite or bad
@@ -102,7 +103,7 @@ def grad_stats(bucket: FlatBucket) -> tuple[float, bool]:
     total, nonfinite = 0.0, False
     with _kernel_threads(kernel, bucket):
         for start, end, _, _ in bucket.runs(bucket.group_of):
-            s, bad = kernel.grad_stats(bucket.grad[start:end])
+            s, bad = kernel.grad_stats(bucket.grad[bucket.host(start, end)])
             total, nonfinite = total + s, nonfinite or bad
     return total, nonfinite
 
@@ -118,6 +119,6 @@ def rollback_inplace(bucket: FlatBucket, groups: list[dict], grad_scale: float) 
     kernel = _kernel()
     with _kernel_threads(kernel, bucket):
         for start, end, gi, step in bucket.runs(bucket.group_of):
-            loc = bucket.local(start, end)
-            kernel.adam_rollback(bucket.master[start:end], bucket.grad[start:end], bucket.exp_avg[loc],
+            loc, own = bucket.local(start, end), bucket.host(start, end)
+            kernel.adam_rollback(bucket.master[own], bucket.grad[own], bucket.exp_avg[loc],
                                  bucket.exp_avg_sq[loc], grad_scale=grad_scale, **_hyper(groups[gi], step))

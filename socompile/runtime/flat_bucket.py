@@ -22,7 +22,10 @@ gradients in ``grad`` (the reduce-scatter waits for that copy, ``wait_grads``), 
 ``master``, and once the all-gather has filled the whole ``master`` it is marked changed (``master_changed``),
 so the upload casts all of it into the device ``weights`` (or the bf16 stage a flow bucket's fetch reads). A
 device-stepped bucket whose state is on a GPU (``site == "device"`` on CUDA) cannot be sharded yet
-(``_no_zero``; on the CPU build its buffers are host memory and it shards like the others).
+(``_no_zero``; on the CPU build its buffers are host memory and it shards like the others). Device-side ZeRO
+(runtime/sharded_bucket.py: a separate master on a CUDA runtime, stepped on the CPU, stationary) cuts ``master``
+and ``grad`` too: they hold this rank's chunk from ``host_lo`` (``host(start, end)`` indexes them), and the
+gradients are gathered and reduced on the device (``device_shard``).
 
 NOTE: host master, "shared" or "separate". With a separate host master the bucket also keeps the parameters'
 own device ``weights`` and copies gradients in and the updated master out: that part of the class is
@@ -38,6 +41,7 @@ from ..plan.bucketize import ALIGN   # one layout fact for planner and runtime
 from .host_master import HostMasterCopies, flat_real
 from .memory import LANDING, MASTER, MOMENTS, SPARES
 from .traffic import TrafficLedger
+from .sharded_bucket import device_shard_eligible, narrow_to_device_shard
 
 
 def real_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -112,8 +116,13 @@ class FlatBucket(HostMasterCopies):
         self._init_host_copies(total)   # separate host master: device weights, copy events, stages
         self.window = None         # ZeRO: (lo, hi) elements this rank steps; None: the whole bucket
         self.state_lo = 0          # bucket element at which exp_avg / exp_avg_sq / the spare start
+        self.host_lo = 0           # bucket element at which master / grad start (device-side ZeRO: the chunk's)
+        self.device_shard = None   # device-side ZeRO (runtime/sharded_bucket.py): this rank's device buffers
+        self._shard_after_adopt = None   # device-side ZeRO: cut to the shard once adopt() filled the whole bucket
         state = total
-        if shard is not None and shard[1] > 1:
+        if shard is not None and shard[1] > 1 and device_shard_eligible(self):
+            self._shard_after_adopt = shard
+        elif shard is not None and shard[1] > 1:
             self.window = shard_window(total, *shard)
             self.state_lo, state = self.window[0], self.window[1] - self.window[0]
         self.exp_avg = self._state_buffer(state, MOMENTS)
@@ -173,6 +182,14 @@ class FlatBucket(HostMasterCopies):
             "reduce-scatter and all-gather of socompile.distributed.zero work on host buffers. Plan with "
             "gpu_buckets=0 (every bucket stepped on the CPU) when sharding the optimizer.")
 
+    def _whole_master_not_held(self):
+        raise NotImplementedError(
+            f"socompile: bucket {self.index} is sharded on the device (ZeRO with a separate host master: this rank "
+            f"holds its 1/{self.device_shard.world} of the fp32 master and gradients only), so a parameter's whole "
+            f"master cannot be read or written here. Read the weights (the parameters, gathered on the device), and "
+            f"save / load sharded state with socompile.distributed.save / load of a run without this path (a CPU "
+            f"runtime), see docs/distributed.md.")
+
     def segment(self, i: int) -> slice:
         return slice(self.offsets[i], self.offsets[i] + self.sizes[i])
 
@@ -184,6 +201,8 @@ class FlatBucket(HostMasterCopies):
         # (Not the device ``weights``: a flow bucket frees their storage, and a freed address must never be
         # found in the cache again.)
         own = (self.master, self.grad, self.exp_avg, self.exp_avg_sq, *(self.spare or ()))
+        if self.device_shard is not None and (buffer is self.master or buffer is self.grad):
+            self._whole_master_not_held()
         if not any(buffer is b for b in own):
             return self._shaped(buffer, i)
         key = (buffer.data_ptr(), i)
@@ -209,6 +228,11 @@ class FlatBucket(HostMasterCopies):
         """Bucket elements [start, end) (inside the state range) as a slice of the state buffers."""
         return slice(start - self.state_lo, end - self.state_lo)
 
+    def host(self, start: int, end: int) -> slice:
+        """Bucket elements [start, end) as a slice of ``master`` and ``grad`` (device-side ZeRO holds them for
+        this rank's chunk only, from ``host_lo``; else whole)."""
+        return slice(start - self.host_lo, end - self.host_lo)
+
     def held(self, i: int) -> tuple[int, int] | None:
         """Elements [a, b) of parameter i (flattened) whose optimizer state this bucket holds; None if none."""
         lo, hi = self.state_lo, self.state_lo + self.exp_avg.numel()
@@ -232,6 +256,9 @@ class FlatBucket(HostMasterCopies):
             return
         if self.mirror and self.master.device.type != "cpu":
             self._no_zero()
+        if device_shard_eligible(self):   # master, gradients and state for the chunk; collectives on the device
+            narrow_to_device_shard(self, rank, world)
+            return
         lo, hi = self.window = shard_window(self.numel, rank, world)
         self.exp_avg, self.exp_avg_sq = (self.book_host(MOMENTS, t[lo:hi].clone(), False)
                                          for t in (self.exp_avg, self.exp_avg_sq))
@@ -273,6 +300,9 @@ class FlatBucket(HostMasterCopies):
         self.free_weights()
         if self.flow and self.dtype == torch.bfloat16:
             self._sync_stage16()
+        if self._shard_after_adopt is not None:
+            shard, self._shard_after_adopt = self._shard_after_adopt, None
+            self.shard(*shard)
 
     def _adopt_state(self, i: int, bucket: "FlatBucket", j: int) -> None:
         if not self.sharded and not bucket.sharded:
@@ -348,7 +378,7 @@ class FlatBucket(HostMasterCopies):
         with the spare's (``master`` stays the buffer the model aliases, and the all-gather fills)."""
         if self.sharded:
             spare_master, spare_m, spare_v = self.spare
-            window = self.master[self.window[0]:self.window[1]]
+            window = self.master[self.host(*self.window)]
             for i, present in enumerate(self.has_grad):
                 if not present and self.held(i) is not None:
                     for mine, spare in ((window, spare_master), (self.exp_avg, spare_m), (self.exp_avg_sq, spare_v)):

@@ -113,6 +113,8 @@ class HostMasterCopies:
         the master (else the whole bucket is cast at upload)."""
         if self.weights is None or self.site != "cpu" or self.dtype != torch.bfloat16 or self.device_casts:
             return None
+        if self.device_shard is not None:   # device-side ZeRO: the shard is cast into its own stage at upload
+            return None
         if not self._low_synced:
             return None
         if self.flow or (self.runtime is not None and self.runtime.kind == "cuda"):
@@ -161,6 +163,9 @@ class HostMasterCopies:
         master is final. CPU build: a plain copy (none when the kernel already wrote the bf16 copy). CUDA: a
         non_blocking copy from pinned memory on the "h2d" stream, after the compute stream passed this bucket's
         last read (its gradient event); ``wait_upload_on_compute`` orders the next forward after it."""
+        if self.device_shard is not None:   # device-side ZeRO: this rank's window (publish: the all-gather)
+            self.device_shard.refresh_window(self)
+            return
         self.dirty = False
         if self.flow and self.dtype == torch.bfloat16:   # no upload; the bf16 stage the next fetch reads
             self._sync_stage16()
@@ -269,6 +274,10 @@ class HostMasterCopies:
             return   # parameters alias the master, or flow weights that hold nothing (see ``materialized``)
         self.wait_upload_on_compute()   # CUDA: an upload still writing the weights is ordered before the read
         self.before_host_write()
+        if self.device_shard is not None:   # device-side ZeRO: the parts in this rank's window only
+            for i in range(len(self.params)) if segments is None else segments:
+                self._load_segment_window(i, self.view(self.weights, i))
+            return
         for i in range(len(self.params)) if segments is None else segments:
             seg = self.segment(i)
             self.master[seg].copy_(self.weights[seg])
@@ -278,7 +287,18 @@ class HostMasterCopies:
         """Parameter i's master from ``value`` (its shape; any dtype and device), e.g. a flow parameter loaded
         by ``model.load_state_dict``; the copies of the master are made again (``master_changed``)."""
         self.before_host_write()
+        if self.device_shard is not None:   # device-side ZeRO: the part of the parameter in this rank's window
+            self._load_segment_window(i, value)
+            return
         self.view(self.master, i).copy_(value.detach().reshape(self.params[i].shape))
+        self.master_changed()
+
+    def _load_segment_window(self, i: int, value: torch.Tensor) -> None:
+        lo, hi = self.window
+        start, end = max(self.offsets[i], lo), min(self.offsets[i] + self.sizes[i], hi)
+        if end > start:
+            flat = flat_real(value.detach().reshape(self.params[i].shape))
+            self.master[self.host(start, end)].copy_(flat[start - self.offsets[i]:end - self.offsets[i]])
         self.master_changed()
 
     def receive(self, i: int, grad: torch.Tensor, accumulate: bool) -> None:
@@ -290,6 +310,9 @@ class HostMasterCopies:
         another device than ``grad`` (CUDA -> pinned host) is copied asynchronously on the runtime's "d2h"
         stream after the compute stream's work so far; ``wait_grads`` waits for that copy's event (and adds
         staged micro-batches). Anything else is a plain copy, converting the dtype (bf16 -> fp32)."""
+        if self.device_shard is not None:   # device-side ZeRO: gathered on the device, reduced there
+            self.device_shard.receive(self, segments, grads, accumulate)
+            return
         remote = [g.device for g in grads if g.device != self.grad.device]
         if remote and not self._cuda_host():
             raise RuntimeError(f"socompile: bucket {self.index} got a gradient on {remote[0]} but has no CUDA "

@@ -58,7 +58,7 @@ class OffloadRuntime:
                     self.ledger.alloc("stationary weights", b.index, weights.numel() * weights.element_size())
             elif b.weight_mode == "stationary":
                 nbytes = flat.master.numel() * weight_bytes if weights is None else \
-                    weights.numel() * weights.element_size()
+                    flat.numel * weights.element_size()   # device-side ZeRO's padding: its own ledger
                 self.ledger.alloc("stationary weights", b.index, nbytes)
         self.upload_staging = self._upload_staging()
         self.attach_upload_staging()

@@ -1,0 +1,104 @@
+"""The collectives of device-side ZeRO (runtime/sharded_bucket.py), and where host tensors may go.
+
+A bucket with ``device_shard`` (a separate host master on a CUDA runtime, real or emulated) is reduced and gathered
+on the device: ``start`` issues the reduce-scatter of its flat device gradients (the weights' dtype, bf16 for a bf16
+model), ``finish`` waits for it and lands this rank's averaged shard in host memory, ``publish`` uploads the updated
+shard and all-gathers the device weights. All three are called by socompile.distributed.zero.ZeroSharding, so the
+issue order (the NOTE there) is the same as for host buckets: reduce-scatters from the training thread in graph
+order, all-gathers in ``step()`` in bucket order.
+
+NOTE: where the landing runs. gloo's ``wait`` blocks the calling thread until the data is there, so the CPU worker
+waits and lands the shard (the training thread goes on with backward). NCCL's ``wait`` only makes the calling
+thread's current CUDA stream wait, so with NCCL the training thread lands the shard right after issuing the
+reduce-scatter (``stream_ordered``): the averaging and the D2H copy are queued behind the collective, no host
+block, and the worker waits for the copy's event (``FlatBucket.wait_grads``).
+
+Host tensors (the norm all-reduce, the initial broadcast, a re-layout's gathers) go to gloo as they are; a group
+whose backend takes device tensors only (NCCL) gets a device copy (``staged``).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from .faults import guard
+
+
+def takes_host_tensors(group) -> bool:
+    """The group's backend can run collectives on CPU tensors (gloo, or "cpu:gloo,cuda:nccl")."""
+    return "gloo" in str(dist.get_backend(group)).lower()
+
+
+def stream_ordered(group) -> bool:
+    """``wait`` on this group's work orders the current stream instead of blocking the thread (NCCL only)."""
+    return not takes_host_tensors(group)
+
+
+@contextlib.contextmanager
+def staged(tensor: torch.Tensor, group):
+    """``tensor`` as the group's collectives take it: itself for a backend that takes host tensors, else a copy
+    on the rank's current GPU, copied back into ``tensor`` when the block ends."""
+    if tensor.device.type != "cpu" or takes_host_tensors(group):
+        yield tensor
+        return
+    on_device = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+    yield on_device
+    tensor.copy_(on_device)
+
+
+def start(sharding, bucket) -> object | None:
+    """Issue the reduce-scatter (sum) of the bucket's device gradients; returns its work (None once landed:
+    stream-ordered backends land at once, see the NOTE)."""
+    shard = bucket.device_shard
+    with guard(f"reduce-scatter of bucket {bucket.index} (device)", sharding.group):
+        work = dist.reduce_scatter_tensor(shard.shard_buffer, shard.grads, op=dist.ReduceOp.SUM,
+                                          group=sharding.group, async_op=True)
+    nbytes = shard.grads.numel() * shard.grads.element_size()
+    sharding.stats.reduce_scatter_bytes += nbytes
+    sharding.stats.sent_bytes += sharding._ring(nbytes)
+    if sharding.stream_ordered:
+        work.wait()
+        shard.land(bucket)
+        shard.release_grads()   # stream-ordered: the allocator reuses it after the collective (record_stream)
+        return None
+    shard.pool.reducing(work, shard)   # freed once done, by the training thread (ZeroPool.settle)
+    return work
+
+
+def finish(bucket, work, group) -> None:
+    """Wait for the reduce-scatter (gloo: blocks this thread) and land the averaged shard in host memory; then
+    wait for that copy, so the CPU kernel may read ``bucket.grad``."""
+    if work is not None:
+        with guard(f"reduce-scatter of bucket {bucket.index} (device, wait)", group):
+            bucket.device_shard.wait_reduced()
+        bucket.device_shard.land(bucket)
+    bucket.wait_grads()
+
+
+def publish(sharding, bucket) -> None:
+    """The updated master shard up (cast to the weights' dtype) and the device weights all-gathered from every
+    rank's shard, in the weights' dtype; the next forward reads them after it (stream order on CUDA; gloo's
+    all-gather returns when done)."""
+    shard = bucket.device_shard
+    shard.upload_shard(bucket)
+    with guard(f"all-gather of bucket {bucket.index} (device)", sharding.group):
+        dist.all_gather_into_tensor(bucket.weights, shard.shard_buffer, group=sharding.group)
+    nbytes = bucket.weights.numel() * bucket.weights.element_size()
+    sharding.stats.all_gather_bytes += nbytes
+    sharding.stats.sent_bytes += sharding._ring(nbytes)
+
+
+def gather_whole(sharding, bucket) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every rank's master and moments of a device-sharded bucket, whole (host tensors of ``padded`` elements):
+    a new bucket layout adopts from them (ZeroSharding.unshard_state)."""
+    shard = bucket.device_shard
+    out = []
+    for name, mine in (("master", bucket.master), ("exp_avg", bucket.exp_avg), ("exp_avg_sq", bucket.exp_avg_sq)):
+        whole = torch.empty(shard.padded, dtype=mine.dtype)
+        with staged(whole, sharding.group) as dst, staged(mine.clone(), sharding.group) as src, \
+                guard(f"all-gather of bucket {bucket.index}'s {name} (re-layout)", sharding.group):
+            dist.all_gather_into_tensor(dst, src, group=sharding.group)
+        out.append(whole)
+    return tuple(out)

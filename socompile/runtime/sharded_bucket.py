@@ -1,0 +1,249 @@
+"""ZeRO on the device for a bucket with a separate host master: each rank keeps 1/W of the bucket's host state.
+
+    FlatBucket.shard(rank, world)        ->  narrow_to_device_shard: host buffers cut to this rank's chunk
+    backward: receive (gradients gathered into one flat device buffer, in the weights' dtype)
+    ZeroSharding.start_reduce            ->  reduce-scatter of that buffer, on the device (distributed/zero_device.py)
+    land                                 ->  average, copy this rank's shard down into the host landing buffer
+    CPU kernel steps the shard (master, moments, spare: chunk elements, ``FlatBucket.host`` indexes them)
+    publish                              ->  the updated shard up (bf16 cast on the host), all-gather of the
+                                             device weights (their dtype) before the next forward reads them
+
+As DeepSpeed ZeRO-2 and FSDP2 do it: the gradients cross the link once per rank as a shard in the weights' dtype
+(bf16 for a bf16 model), the updated weights cross it once per rank as a shard, and the collectives run on device
+tensors (NCCL takes nothing else). Which buckets: a separate host master (``mirror``) stepped on the CPU, whose
+runtime is CUDA (a GPU, or ``runtime="emulated"`` on a CPU, whose "device" tensors are CPU tensors that gloo
+reduces), with stationary weights and an fp32 master. The others keep socompile.distributed.zero's host path
+(a CPU runtime's shared master IS the model's weights: it cannot be cut; see docs/distributed.md).
+
+Per rank, with chunk = ceil(numel / W) and padded = W * chunk (the collectives need W equal chunks):
+  host:   master, exp_avg, exp_avg_sq (and the ping-pong spare's three) of chunk fp32 elements; the gradient
+          landing buffer of chunk elements in the link dtype (bf16 for bf16 weights, else fp32); bf16 weights:
+          a pinned bf16 stage of chunk elements (the shard is cast on the host, half the bytes cross the link)
+  device: the weights, padded to ``padded`` (the all-gather's output); the gradients of ``padded`` elements and
+          the reduce-scatter's output of chunk elements, in the weights' dtype; the upload of chunk elements
+          (the all-gather's input). plan/memory.py counts the same (``zero_device_bytes``, ``host_memory``).
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .host_master import flat_real
+from .memory import LANDING, MASTER, MOMENTS, STAGING
+
+
+def device_shard_eligible(bucket) -> bool:
+    """The bucket can keep host state for its shard only and reduce / gather on the device (see the module doc)."""
+    return (bucket.mirror and bucket.site == "cpu" and not bucket.flow and bucket.weights is not None
+            and bucket.runtime is not None and bucket.runtime.kind == "cuda"
+            and bucket.state_dtype == torch.float32)
+
+
+def landing_dtype(weights_dtype: torch.dtype) -> torch.dtype:
+    """The host gradient landing buffer's dtype: bf16 gradients land as they are (the CPU kernel reads bf16
+    gradients); any other weights' gradients land in fp32 (the kernel reads fp32 or bf16 only)."""
+    return torch.bfloat16 if weights_dtype == torch.bfloat16 else torch.float32
+
+
+def chunk_of(numel: int, world: int) -> int:
+    return -(-numel // world)
+
+
+GRADIENTS = "ZeRO gradient buffers"   # device ledger categories (runtime/memory.py)
+SHARDS = "ZeRO shard buffers"
+
+
+class ZeroPool:
+    """What the device-sharded buckets of one runtime (one optimizer's device) share: the device ledger of their
+    buffers, and the reductions in flight, so that at most two flat gradient buffers live at once without
+    accumulation (one being filled by backward, one being reduced), as plan/memory.py counts them."""
+
+    def __init__(self):
+        from .memory import DeviceLedger
+        self.ledger = DeviceLedger()
+        self._reducing: list["DeviceShard"] = []   # shards whose reduce-scatter was issued, in issue order
+        self._lock = threading.Lock()
+
+    def reducing(self, work, shard: "DeviceShard") -> None:
+        shard.work = work
+        with self._lock:
+            self._reducing.append(shard)
+
+    def settle(self, keep: int = 1) -> None:
+        """Wait for every reduction but the last ``keep`` issued (gloo: they were issued a bucket's backward
+        ago) and free their flat gradient buffers. Training thread only (the collectives' issuing thread)."""
+        with self._lock:
+            done, self._reducing = self._reducing[:max(0, len(self._reducing) - keep)], \
+                self._reducing[max(0, len(self._reducing) - keep):]
+        for shard in done:
+            shard.wait_reduced()
+            shard.release_grads()
+
+
+def zero_pool(runtime) -> ZeroPool:
+    """The runtime's ZeroPool, made on first use. It lives on the runtime object because the runtime is exactly
+    the scope that shares it: one per optimizer and device (runtime/device.py ``Runtimes``)."""
+    pool = getattr(runtime, "zero_pool", None)
+    if pool is None:
+        pool = runtime.zero_pool = ZeroPool()
+    return pool
+
+
+class DeviceShard:
+    """The device buffers and link counters of one bucket's device-side ZeRO (``bucket.device_shard``).
+
+    ``shard_buffer`` (chunk elements, the weights' dtype, kept): the reduce-scatter's output, the source of the
+    gradient shard's D2H copy, then the destination of the updated shard's upload and the all-gather's input.
+    ``grads`` (padded elements, the weights' dtype): made at the bucket's first gradient of an iteration, freed
+    once its reduce-scatter is done (``ZeroPool.settle``)."""
+
+    def __init__(self, bucket, rank: int, world: int, lo: int, hi: int):
+        self.rank, self.world, self.lo, self.hi = rank, world, lo, hi
+        self.index = bucket.index
+        self.numel = bucket.numel
+        self.chunk = chunk_of(bucket.numel, world)
+        self.padded = self.chunk * world
+        self.dtype = bucket.dtype        # gradients are gathered and reduced in it: bf16 for a bf16 model
+        self.runtime = bucket.runtime
+        self.pool = zero_pool(self.runtime)
+        self.grads = None
+        self.work = None                 # the reduce-scatter in flight (gloo), waited once (wait_reduced)
+        self._work_lock = threading.Lock()
+        self.shard_buffer = self.runtime.empty(self.chunk, self.dtype).zero_()
+        self.stage = bucket.book_host(STAGING, self.runtime.host_buffer(self.chunk, torch.bfloat16), True) \
+            if self.dtype == torch.bfloat16 else None
+        self.pool.ledger.alloc(SHARDS, id(self), self.fixed_device_bytes())
+        self.d2h_bytes = 0      # bytes this rank copied down for this bucket (gradient shards)
+        self.h2d_bytes = 0      # bytes this rank copied up (updated weight shards)
+
+    @property
+    def element_size(self) -> int:
+        return self.shard_buffer.element_size()
+
+    def fixed_device_bytes(self) -> int:
+        """Device bytes kept for the bucket's whole life: the shard buffer and the weights' padding to W chunks."""
+        return self.element_size * (self.chunk + self.padded - self.numel)
+
+    def close(self) -> None:
+        self.release_grads()
+        self.pool.ledger.free(SHARDS, id(self))
+
+    # ------------------------------------------------------------------ gradients
+    def receive(self, bucket, segments: list[int], grads: list[torch.Tensor], accumulate: bool) -> None:
+        """Gather gradients into the flat device buffer (device-side copies or adds, on the compute stream),
+        made zeroed at the iteration's first gradient (a parameter without one adds nothing)."""
+        if self.grads is None:
+            self.pool.settle(keep=1)   # at most one other flat buffer stays: the one being reduced
+            self.grads = self.runtime.empty(self.padded, self.dtype).zero_()
+            self.pool.ledger.alloc(GRADIENTS, id(self), self.grads.numel() * self.element_size)
+        for i, g in zip(segments, grads):
+            dst = self.grads[bucket.segment(i)]
+            if accumulate and bucket.has_grad[i]:
+                dst.add_(flat_real(g))
+            else:
+                dst.copy_(flat_real(g))
+            bucket.has_grad[i] = True
+
+    def wait_reduced(self) -> None:
+        """Wait for the reduce-scatter in flight, from the CPU worker (to land it) or the training thread (to
+        free the flat buffer), whichever comes first; one thread waits on the work, the other on this lock."""
+        with self._work_lock:
+            if self.work is not None:
+                self.work.wait()
+                self.work = None
+
+    def release_grads(self) -> None:
+        if self.grads is not None:
+            self.grads = None
+            self.pool.ledger.free(GRADIENTS, id(self))
+
+    def land(self, bucket) -> None:
+        """After the reduce-scatter: average on the device and copy this rank's shard into the host landing
+        buffer (``bucket.grad``) on the "d2h" stream; ``bucket.wait_grads`` waits for it."""
+        self.shard_buffer.div_(self.world)   # gloo has no AVG; NCCL's would round the same way for W = 2^k
+        rt = self.runtime
+        bucket.grad_event = rt.copy_async(bucket.grad, self.shard_buffer, rt.stream("d2h"))
+        self.d2h_bytes += self.chunk * self.element_size
+
+    # ------------------------------------------------------------------- weights
+    def upload_shard(self, bucket) -> None:
+        """The master shard, cast to the weights' dtype on the host (bf16: the pinned stage), into the shard
+        buffer on the "h2d" stream; the compute stream waits for it (the all-gather or the window copy reads it)."""
+        bucket.before_host_write()        # the previous upload read the stage / master: it must be done
+        bucket.wait_grads()               # the gradient shard's D2H copy read the shard buffer
+        src = bucket.master
+        if self.stage is not None:
+            self.stage.copy_(bucket.master)
+            src = self.stage
+        rt = self.runtime
+        event = rt.copy_async(self.shard_buffer, src, rt.stream("h2d"))
+        self.h2d_bytes += self.chunk * self.element_size
+        rt.wait_on_compute(event)
+        bucket.upload_event, bucket._upload_waited = event, True
+        bucket.dirty, bucket._low_synced = False, True
+
+    def refresh_window(self, bucket) -> None:
+        """``upload()`` without a collective (a rollback, a load): this rank's window of the device weights
+        from its master shard; the other ranks' windows are theirs (the all-gather of ``publish`` fills them)."""
+        self.upload_shard(bucket)
+        bucket.weights[self.lo:self.hi].copy_(self.shard_buffer[:self.hi - self.lo])
+
+
+def narrow_to_device_shard(bucket, rank: int, world: int) -> None:
+    """Cut ``bucket``'s host state to this rank's chunk and give it its device buffers (``DeviceShard``):
+    master, moments and gradient landing buffer hold elements [lo, lo + chunk) of the bucket (zero past its
+    end), and the device weights are padded to W chunks for the all-gather (parameters re-pointed into them)."""
+    from .flat_bucket import shard_window
+    bucket.wait_upload_on_compute()
+    bucket.before_host_write()
+    bucket.wait_grads()
+    lo, hi = shard_window(bucket.numel, rank, world)
+    shard = DeviceShard(bucket, rank, world, lo, hi)
+    pending = any(bucket.has_grad) and bucket.arrivals > 0   # mid-accumulation: the sums so far go to the device
+    if pending:
+        shard.receive(bucket, [], [], accumulate=True)   # makes the flat buffer
+        shard.grads[:bucket.numel].copy_(bucket.grad)
+
+    def cut(whole: torch.Tensor, purpose: str, crosses: bool) -> torch.Tensor:
+        mine = bucket._state_buffer(shard.chunk, purpose, crosses)
+        mine[:hi - lo].copy_(whole[lo:hi])
+        return mine
+
+    # whole until now; the master is read by the shard's upload only when the weights are not bf16 (bf16 weights
+    # go up from the pinned bf16 stage, cast on the host: this path's one cast site)
+    bucket.exp_avg, bucket.exp_avg_sq = (cut(t, MOMENTS, False) for t in (bucket.exp_avg, bucket.exp_avg_sq))
+    bucket.master = cut(bucket.master, MASTER, bucket.dtype != torch.bfloat16)
+    bucket.grad = _landing_buffer(bucket, shard.chunk)
+    weights = bucket.runtime.empty(shard.padded, bucket.dtype)
+    weights[:bucket.numel].copy_(bucket.weights)
+    weights[bucket.numel:].zero_()
+    bucket.weights = weights
+    for i, p in enumerate(bucket.params):
+        p.data = bucket._shaped(weights, i)
+    bucket.spare, bucket._stage16, bucket._stage_acc = None, None, None
+    bucket._pending_adds.clear()
+    bucket._views.clear()
+    bucket.window, bucket.state_lo, bucket.host_lo = (lo, hi), lo, lo
+    bucket.device_shard = shard
+
+
+def _landing_buffer(bucket, chunk: int) -> torch.Tensor:
+    return bucket.book_host(LANDING, bucket.runtime.host_buffer(chunk, landing_dtype(bucket.dtype)).zero_(), True)
+
+
+def widen_from_gathered(bucket, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+    """Undo ``narrow_to_device_shard`` with whole buffers gathered from every rank (a new bucket layout adopts
+    from them: ZeroSharding.unshard_state). Gradients still being accumulated on the device come down whole."""
+    shard = bucket.device_shard
+    n = bucket.numel
+    grad = torch.zeros(n, dtype=bucket.state_dtype)
+    if any(bucket.has_grad) and bucket.arrivals > 0 and shard.grads is not None:
+        grad.copy_(shard.grads[:n])
+    bucket.master, bucket.exp_avg, bucket.exp_avg_sq, bucket.grad = master[:n], exp_avg[:n], exp_avg_sq[:n], grad
+    bucket.weights = bucket.weights[:n]
+    bucket.spare, bucket._stage16 = None, None
+    bucket._views.clear()
+    bucket.window, bucket.state_lo, bucket.host_lo = None, 0, 0
+    shard.close()
+    bucket.device_shard = None

@@ -1,0 +1,415 @@
+"""Device-side ZeRO (runtime/sharded_bucket.py, distributed/zero_device.py): W gloo ranks on the emulated CUDA
+device (runtime "emulated": the device tensors are CPU tensors, so gloo reduces them) each hold 1/W of every
+bucket's host state (fp32 master, moments, ping-pong spares, gradient landing buffer), reduce-scatter the device
+gradients in the weights' dtype, copy only their shard down, step it, upload it and all-gather the device weights,
+and train like one process on the global batch.
+
+References, in each rank's process:
+- fp32 weights (the separate host master is the emulated runtime's default): torch.optim.AdamW + clip_grad_norm_
+  on the ranks' micro-batches one after the other, gradients summed in rank order then divided by W, as the
+  reduce-scatter averages them. Tolerance TOL and NORM_RTOL: derived in tests/test_dist_zero.py's docstring for
+  the same model, data, hyper-parameters (eps 1e-6) and step count; the device path changes nothing they bound:
+  the fp32 device gradients are summed by gloo's reduce-scatter exactly as the host path's were, and each rank
+  steps its shard with the same kernel (the host path measured 4.6e-7 / 3.3e-7 / 1.7e-6 for dp2 / dp3 / sp2).
+- bf16 weights: one process (socompile.AdamW, not sharded, same runtime) on the global batch. See BF16_* below.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import pathlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from socompile.distributed.launch import run_local
+from socompile.runtime.memory import LANDING, MASTER, MOMENTS, SPARES, STAGING
+
+HERE = str(pathlib.Path(__file__).resolve())
+NAN_STEP = 3        # the step whose gradients are NaN on rank 1 only: every rank must skip it
+STEPS = 6
+EPS = 1e-6          # Adam's eps: bounds how much it amplifies rounding (tests/test_dist_zero.py)
+TOL = 3e-5          # fp32 weights vs torch (tests/test_dist_zero.py's derivation, for <= 9 taken steps)
+NORM_RTOL = 1e-5    # fp32 global gradient norm vs torch's clip_grad_norm_ (same derivation)
+# bf16 weights, against one process on the global batch. Each rank's bf16 backward over its rows rounds its
+# gradients to bf16 (2^-9 relative), the reduce-scatter sums W of them in bf16 (one more rounding per add, W - 1
+# adds) and the average divides in bf16 (exact for W = 2, one rounding for W = 3); the one process's single backward
+# over all rows rounds its sums differently. So gradients differ by a few 2^-9 ~ 2e-3 relative: the norms (and
+# clipping) must agree to 2%. Adam divides by sqrt(v) + eps, so a gradient element near zero can flip its update's
+# sign: the fp32 masters' moves since the start must agree to 5% in norm (5 taken steps of lr 1e-3), and at most
+# 1% of the elements may end more than 1e-3 apart (a weight moves up to 5e-3). tests/test_dist_zero.py measured
+# rel 1.4e-2 and 0.03% with the same bounds for its host bf16 path. Measured here (compiled, W = 2): rel 9.6e-3,
+# 0.008% of the elements, norms 2.9e-4 apart; fp32 eager W = 3 against torch: weights 6.4e-7, norms 2.4e-7.
+BF16_NORM_RTOL = 2e-2
+BF16_MOVE_RTOL = 5e-2
+BF16_FAR_FRACTION = 1e-2
+EMULATED = {"SOCOMPILE_RUNTIME": "emulated"}
+
+
+def _batches(topo, rows_per_rank: int, steps: int):
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        yield torch.randint(0, 256, (rows_per_rank * topo.dp, 33), generator=gen)
+
+
+def _nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def _host_bytes(opt) -> dict:
+    """Host bytes the optimizer's buckets hold, by kind (what one rank allocated); "spares" per bucket (a bucket
+    makes its ping-pong spare when it first speculates)."""
+    out = {"master": 0, "moments": 0, "spares": [], "gradients": 0, "bf16 copies": 0}
+    for b in opt.buckets:
+        out["master"] += _nbytes(b.master)
+        out["moments"] += _nbytes(b.exp_avg, b.exp_avg_sq)
+        out["spares"].append(_nbytes(*(b.spare or ())))
+        out["gradients"] += _nbytes(b.grad, b._stage_acc)
+        shard = getattr(b, "device_shard", None)
+        out["bf16 copies"] += _nbytes(b._stage16, shard.stage if shard else None)
+    return out
+
+
+def _planned(opt, world: int) -> dict:
+    """plan/memory.py's per-rank host parts and device-side ZeRO bytes for the optimizer's buckets as laid out
+    (numel: the runtime's, alignment padding included; stationary CPU buckets, exact rollback, gradients crossing
+    the link in the weights' dtype and bf16 weights cast on the CPU, as the device path does)."""
+    from socompile.dtypes import dtype_name
+    from socompile.plan.memory import HostLayout, host_buffers, zero_device_bytes
+    from socompile.plan.plan import BucketPlan
+    size = opt.buckets[0].weights.element_size()
+    plans = [BucketPlan(index=b.index, params=(), numel=b.numel, grad_bytes=4 * b.numel, optimizer_site="cpu",
+                        ready_after="", ready_position=0, cast_site="cpu", link_dtype=dtype_name(size))
+             for b in opt.buckets]
+    books = host_buffers(plans, size, world, layout=HostLayout(pins=True))
+    return {"host": {k: v["pinned"] + v["pageable"] for k, v in books.items()}, "books": books,
+            "device": zero_device_bytes([b.numel for b in opt.buckets], world, size)}
+
+
+def _train(model, opt, topo, tokens_of_step, run, accumulate: int, nan: bool) -> tuple[list, list]:
+    """Train on this rank's rows (``accumulate`` micro-batches per step); NaN through rank 1's loss at NAN_STEP."""
+    import socompile.distributed as sd
+    norms, skipped = [], []
+    for step, tokens in enumerate(tokens_of_step):
+        rows = tokens.shape[0] // topo.dp
+        mine = tokens[rows * topo.dp_rank: rows * (topo.dp_rank + 1)]
+        for micro in mine.split(rows // accumulate):
+            x, y = (sd.shard_sequence(t, topo.sp_group) for t in (micro[:, :-1], micro[:, 1:]))
+            loss = F.cross_entropy(run(x).float().flatten(0, 1), y.flatten())
+            if nan and step == NAN_STEP and topo.rank == 1:
+                loss = loss * float("nan")
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        norms.append(opt.last_grad_norm)
+        skipped.append(opt.last_step_skipped)
+    return norms, skipped
+
+
+def _torch_reference(ref, topo, batches, accumulate: int, clip: float, hyper: dict) -> tuple[list, list]:
+    ref_opt = torch.optim.AdamW(ref.parameters(), **hyper)
+    norms = []
+    for step, tokens in enumerate(batches):
+        rows = tokens.shape[0] // topo.dp
+        for rank in range(topo.dp):   # the ranks' micro-batches in rank order, averaged like the reduce-scatter
+            for micro in tokens[rows * rank: rows * (rank + 1)].split(rows // accumulate):
+                F.cross_entropy(ref(micro[:, :-1]).flatten(0, 1), micro[:, 1:].flatten()).backward()
+        for p in ref.parameters():
+            p.grad /= topo.dp
+            if step == NAN_STEP:
+                p.grad.fill_(float("nan"))
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        norms.append(float(norm))
+        if math.isfinite(norm):
+            ref_opt.step()
+        ref_opt.zero_grad()
+    return norms, [p.detach().clone() for p in ref.parameters()]
+
+
+def _worker(args: dict) -> dict:
+    import socompile
+    import socompile.distributed as sd
+    from socompile.models import build
+
+    topo = sd.init_distributed(sp=args.get("sp", 1), timeout_s=60)
+    dtype = getattr(torch, args["dtype"])
+    accumulate = args.get("accumulate", 1)
+    hyper = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=EPS)
+    torch.manual_seed(0)
+    model = build("tiny", n_layers=1).to(dtype)
+    start = copy.deepcopy(model)
+    sd.parallelize(model, topo.sp_group)
+    opt = socompile.AdamW(model.parameters(), max_grad_norm=0.5, bucket_size="40KB",
+                          grad_accumulation_steps=accumulate, **hyper)
+    sharding = sd.shard_optimizer(opt, topo.world_group)
+    run = model
+    if args.get("compile"):
+        run = torch.compile(model, backend=socompile.SuperOffload(compute="eager", gpu_buckets=0,
+                                                                  bucket_size="40KB"))
+    batches = list(_batches(topo, 2 * accumulate, STEPS))
+    norms, skipped = _train(model, opt, topo, batches, run, accumulate, nan=True)
+    out = {"norms": norms, "skipped": skipped, "world": topo.world_size, "comm": sharding.stats.as_dict(),
+           "device_sharded": [b.device_shard is not None for b in opt.buckets],
+           "numels": [b.numel for b in opt.buckets], "windows": [b.window for b in opt.buckets],
+           "host": _host_bytes(opt), "planned": _planned(opt, topo.world_size),
+           "d2h": sum(b.device_shard.d2h_bytes for b in opt.buckets if b.device_shard),
+           "h2d": sum(b.device_shard.h2d_bytes for b in opt.buckets if b.device_shard),
+           "device_ledger": opt.buckets[0].device_shard.pool.ledger.summary(),
+           "taken_steps": sum(not s for s in skipped)}
+    with opt.materialized_weights():
+        weights = [p.detach().float().clone() for p in model.parameters()]
+    out["weights_sum"] = [float(w.double().sum()) for w in weights]
+    out["masters"] = torch.cat([b.master[:b.window[1] - b.window[0]] for b in opt.buckets]).tolist() \
+        if dtype == torch.bfloat16 else None
+    if dtype == torch.float32:
+        ref_norms, ref_weights = _torch_reference(start, topo, batches, accumulate, 0.5, hyper)
+        out["ref_norms"] = ref_norms
+        out["err"] = max((w - r).abs().max().item() for w, r in zip(weights, ref_weights))
+    else:   # one process, socompile, the same runtime, every row of each step in one backward
+        one = copy.deepcopy(start)
+        one_opt = socompile.AdamW(one.parameters(), max_grad_norm=0.5, bucket_size="40KB", **hyper)
+        one_start = torch.cat([b.master for b in one_opt.buckets]).clone()
+        one_norms, _ = _train_one(one, one_opt, batches)
+        out["one"] = {"norms": one_norms, "host": _host_bytes(one_opt), "start": one_start.tolist(),
+                      "master": torch.cat([b.master for b in one_opt.buckets]).tolist(),
+                      "numels": [b.numel for b in one_opt.buckets]}
+    sd.shutdown()
+    return out
+
+
+def _train_one(model, opt, batches) -> tuple[list, list]:
+    norms = []
+    for step, tokens in enumerate(batches):
+        loss = F.cross_entropy(model(tokens[:, :-1]).float().flatten(0, 1), tokens[:, 1:].flatten())
+        if step == NAN_STEP:
+            loss = loss * float("nan")
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        norms.append(opt.last_grad_norm)
+    return norms, None
+
+
+def _results(args: dict, nprocs: int) -> list[dict]:
+    runs = run_local(f"{HERE}:_worker", nprocs, args, timeout_s=300, env=EMULATED)
+    for r in runs:
+        assert r.returncode == 0, f"rank {r.rank}:\n{r.output[-3000:]}"
+    return [r.result for r in runs]
+
+
+def _check_common(results: list[dict]) -> None:
+    for r in results:
+        assert all(r["device_sharded"]), "every bucket takes the device path (separate master, emulated CUDA)"
+        assert r["skipped"] == [s == NAN_STEP for s in range(STEPS)], r["skipped"]
+    r0 = results[0]
+    for r in results[1:]:
+        assert r["weights_sum"] == r0["weights_sum"], "the all-gathered weights must be bitwise equal on every rank"
+        assert r["norms"][:NAN_STEP] == r0["norms"][:NAN_STEP], "every rank sees the same global norm"
+        assert r["windows"] != r0["windows"], "each rank steps its own shard"
+
+
+def _check_fp32(results: list[dict]) -> None:
+    _check_common(results)
+    for r in results:
+        assert r["err"] < TOL, r["err"]
+        for ours, theirs in zip(r["norms"], r["ref_norms"]):
+            assert (math.isnan(ours) and math.isnan(theirs)) or abs(ours - theirs) <= NORM_RTOL * theirs, (ours, theirs)
+
+
+def _check_bf16(results: list[dict]) -> None:
+    _check_common(results)
+    masters = torch.cat([torch.tensor(r["masters"]) for r in results])
+    one = results[0]["one"]
+    # the ranks' shards, in rank order, laid out bucket by bucket: rebuild the whole masters to compare
+    whole = _whole_masters(results)
+    ref, start = torch.tensor(one["master"]), torch.tensor(one["start"])
+    assert whole.numel() == ref.numel() and masters.numel() >= ref.numel()
+    moved, diff = ref - start, whole - ref
+    rel = (diff.norm() / moved.norm()).item()
+    far = (diff.abs() > 1e-3).float().mean().item()
+    assert rel < BF16_MOVE_RTOL and far < BF16_FAR_FRACTION, (rel, far)
+    for r in results:
+        for ours, theirs in zip(r["norms"], one["norms"]):
+            assert (math.isnan(ours) and math.isnan(theirs)) or abs(ours - theirs) <= BF16_NORM_RTOL * theirs, \
+                (ours, theirs)
+
+
+def _whole_masters(results: list[dict]) -> torch.Tensor:
+    """Each bucket's master: its ranks' windows side by side (each rank returned its windows, bucket by bucket)."""
+    parts, offsets = [], [0] * len(results)
+    for k, numel in enumerate(results[0]["numels"]):
+        for rank, r in enumerate(results):
+            lo, hi = r["windows"][k]
+            parts.append(torch.tensor(r["masters"][offsets[rank]:offsets[rank] + hi - lo]))
+            offsets[rank] += hi - lo
+    return torch.cat(parts)
+
+
+def _check_memory_and_link(results: list[dict], link_bytes: int) -> None:
+    """Host state and link bytes per rank: 1/W of one process's, up to the padding of each bucket to W chunks."""
+    for r in results:
+        w = r["world"]
+        chunks = [-(-n // w) for n in r["numels"]]
+        host, planned = r["host"], r["planned"]
+        assert host["master"] == 4 * sum(chunks), host
+        assert host["moments"] == 8 * sum(chunks), host
+        assert all(spare in (0, 12 * c) for spare, c in zip(host["spares"], chunks)), host
+        assert host["gradients"] == link_bytes * sum(chunks), host
+        # the plan's host model (plan/memory.py host_memory) counts exactly these buffers, per shard
+        assert planned["host"][MASTER] + planned["host"][MOMENTS] == host["master"] + host["moments"]
+        assert planned["host"][SPARES] == 12 * sum(chunks) >= sum(host["spares"])
+        assert planned["host"][LANDING] == host["gradients"]
+        assert planned["host"].get(STAGING, 0) == (host["bf16 copies"] if link_bytes == 2 else 0)
+        # link bytes, counted at the runtime's copy calls: a gradient shard down per step (the skipped one too:
+        # its gradients are reduced and landed before the norm says skip), an updated weight shard up per taken step
+        steps = r["taken_steps"] + 1
+        assert r["d2h"] == steps * link_bytes * sum(chunks), (r["d2h"], chunks)
+        assert r["h2d"] == r["taken_steps"] * link_bytes * sum(chunks), (r["h2d"], chunks)
+        ledger = r["device_ledger"]
+        assert ledger["by_category"]["ZeRO shard buffers"] == planned["device"]["kept"], (ledger, planned)
+        assert ledger["by_category"]["ZeRO gradient buffers"] == 0, "every flat gradient buffer freed after step()"
+
+
+def _check_one_process_memory(results: list[dict]) -> None:
+    """Against one process (W = 1, same runtime): master, moments and gradients per rank are 1/W (+ padding)."""
+    for r in results:
+        one, w = r["one"]["host"], r["world"]
+        padding = sum(-(-n // w) * w - n for n in r["numels"])
+        assert r["one"]["numels"] == r["numels"]
+        for kind in ("master", "moments"):
+            assert r["host"][kind] * w == one[kind] + padding * (4 if kind == "master" else 8), (kind, r["host"], one)
+        assert r["host"]["gradients"] * w <= one["gradients"] + 4 * padding, (r["host"], one)
+
+
+def _check_gradient_buffer_peak(results: list[dict]) -> None:
+    """Compiled: gradients arrive bucket by bucket, so at most two flat gradient buffers live at once (the plan's
+    "gradients" part: two buckets adjacent in gradient order)."""
+    for r in results:
+        peak = r["device_ledger"]["peak_parts"].get("ZeRO gradient buffers", 0)
+        assert 0 < peak <= r["planned"]["device"]["gradients"], (r["device_ledger"], r["planned"])
+
+
+def test_device_zero_dp2_bf16_compiled_equals_one_process_with_host_state_and_link_bytes_1_over_w():
+    results = _results({"dtype": "bfloat16", "compile": True}, 2)
+    _check_bf16(results)
+    _check_memory_and_link(results, 2)
+    _check_one_process_memory(results)
+    _check_gradient_buffer_peak(results)
+    assert any(results[0]["host"]["spares"]), "compiled with clipping: buckets speculate into ping-pong spares"
+
+
+def test_device_zero_dp3_fp32_eager_pads_buckets_and_equals_torch():
+    results = _results({"dtype": "float32"}, 3)
+    assert any(n % 3 for n in results[0]["numels"]), "some bucket must be padded to 3 equal chunks"
+    _check_fp32(results)
+    _check_memory_and_link(results, 4)
+
+
+@pytest.mark.slow
+def test_device_zero_dp2_fp32_eager_equals_torch():
+    results = _results({"dtype": "float32"}, 2)
+    _check_fp32(results)
+    _check_memory_and_link(results, 4)
+
+
+@pytest.mark.slow
+def test_device_zero_dp3_bf16_eager_equals_one_process():
+    results = _results({"dtype": "bfloat16"}, 3)
+    _check_bf16(results)
+    _check_memory_and_link(results, 2)
+    _check_one_process_memory(results)
+
+
+@pytest.mark.slow
+def test_device_zero_with_ulysses_sp2_equals_torch():
+    # dp 1 x sp 2: each rank sees half of every sequence; ZeRO shards over both (tests/test_dist_zero.py's NOTE)
+    results = _results({"dtype": "float32", "sp": 2}, 2)
+    _check_fp32(results)
+    _check_memory_and_link(results, 4)
+
+
+@pytest.mark.slow
+def test_device_zero_dp2_x_sp2_compiled_equals_torch():
+    results = _results({"dtype": "float32", "sp": 2, "compile": True}, 4)
+    _check_fp32(results)
+    _check_memory_and_link(results, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_device_zero_gradient_accumulation_equals_torch(compile):
+    # 2 micro-batches per step on each rank, summed in the device buffer, reduced once per step
+    results = _results({"dtype": "float32", "accumulate": 2, "compile": compile}, 2)
+    _check_fp32(results)
+    _check_memory_and_link(results, 4)
+
+
+# ------------------------------------------------------------- one process: the layout of each rank, no collectives
+def _device_sharded_optimizer(monkeypatch, world: int, rank: int, preset: str = "tiny"):
+    """A bf16 model's socompile.AdamW on the emulated runtime, its buckets cut as rank ``rank`` of ``world`` cuts
+    them (FlatBucket.shard needs no process group), spares made (as speculation makes them)."""
+    import socompile
+    from socompile.models import build
+    monkeypatch.setenv("SOCOMPILE_RUNTIME", "emulated")
+    torch.manual_seed(0)
+    model = build(preset, n_layers=1).to(torch.bfloat16)
+    opt = socompile.AdamW(model.parameters(), lr=1e-3, bucket_size="40KB")
+    for b in opt.buckets:
+        b.shard(rank, world)
+        b.spare_buffers()
+    return model, opt
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_each_rank_holds_1_over_w_of_one_process_host_state_as_the_plan_counts(monkeypatch, world):
+    _, one = _device_sharded_optimizer(monkeypatch, 1, 0)
+    full = _host_bytes(one)
+    total = {"master": 0, "moments": 0, "spares": 0}
+    for rank in range(world):
+        _, opt = _device_sharded_optimizer(monkeypatch, world, rank)
+        host = _host_bytes(opt)
+        chunks = sum(-(-b.numel // world) for b in opt.buckets)
+        padding = chunks * world - sum(b.numel for b in opt.buckets)
+        # per rank: 1/W of one process's fp32 master, moments and spares, plus its share of the padding
+        assert host["master"] * world == full["master"] + 4 * padding
+        assert host["moments"] * world == full["moments"] + 8 * padding
+        assert sum(host["spares"]) * world == sum(full["spares"]) + 12 * padding
+        assert host["gradients"] == 2 * chunks     # the bf16 landing buffer of the shard (one process: fp32, whole)
+        assert all(b.device_shard is not None for b in opt.buckets)
+        planned = _planned(opt, world)
+        assert planned["host"][MASTER] + planned["host"][MOMENTS] == host["master"] + host["moments"]
+        assert planned["host"][SPARES] == sum(host["spares"])
+        assert planned["host"][LANDING] == host["gradients"]
+        assert planned["host"].get(STAGING, 0) == host["bf16 copies"]
+        # the runtime's own host ledger (opt.host_memory()) books the same buffers, pinned as the plan pins them
+        assert opt.host_memory()["by_purpose"] == planned["books"]
+        ledger = opt.buckets[0].device_shard.pool.ledger.summary()
+        assert ledger["by_category"]["ZeRO shard buffers"] == planned["device"]["kept"]
+        for kind in total:
+            total[kind] += sum(host[kind]) if kind == "spares" else host[kind]
+    assert total["master"] == full["master"] + 4 * padding   # the ranks' shards cover the bucket once
+
+
+def test_a_whole_master_read_of_a_device_sharded_bucket_names_the_cause(monkeypatch):
+    model, opt = _device_sharded_optimizer(monkeypatch, 2, 1)
+    bucket = opt.buckets[0]
+    with pytest.raises(NotImplementedError, match=r"sharded on the device .* 1/2 of the fp32 master"):
+        bucket.view(bucket.master, 0)
+    # the weights stay whole: the parameters are views of the device buffer, padded to 2 equal chunks
+    assert bucket.weights.numel() == bucket.device_shard.padded >= bucket.numel
+    assert all(p.untyped_storage().data_ptr() == bucket.weights.untyped_storage().data_ptr() for p in bucket.params)
+    # a value written into the weights (a model load) reaches this rank's window of the master, and only that part
+    i = len(bucket.params) - 1
+    lo, hi = bucket.window
+    seg = bucket.segment(i)
+    start, end = max(seg.start, lo), min(seg.stop, hi)
+    assert end > start, "the bucket's last parameter ends in the last rank's window"
+    before = bucket.master.clone()
+    with torch.no_grad():
+        bucket.params[i].fill_(0.5)
+    bucket.pull_from_weights([i])
+    assert bool((bucket.master[bucket.host(start, end)] == 0.5).all())
+    untouched = torch.ones_like(before, dtype=torch.bool)
+    untouched[bucket.host(start, end)] = False
+    assert torch.equal(bucket.master[untouched], before[untouched])
