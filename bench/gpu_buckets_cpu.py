@@ -7,9 +7,9 @@ this machine: without a GPU the "device" is this CPU, and a GPU-resident bucket 
 there after backward instead of by the CPU kernel beside backward) once with the planner's choice of K and
 once per other K in 0..N (option gpu_buckets), then real training steps on the same batches. The configurations
 take turns, `--steps` steps each per round, so a drift of the shared machine's load falls on all of them; per
-K the median and min-max of all timed steps. The planner's choice passes when its median is within the noise
-of the best measured K's: at most 5% slower (the paired spread of such steps on this box; the report shows
-both medians and spreads so the call can be checked). `--record` writes the figures bench/paper.py reports.
+K the median and min-max of all timed steps. The planner's choice passes when its median is at most 5% above
+the best measured K's; a miss whose median lies inside the best K's min-max is reported as within noise (on a
+loaded machine the ordering is then not established). `--record` writes the figures bench/paper.py reports.
 """
 from __future__ import annotations
 
@@ -98,9 +98,17 @@ def report(preset: str, r: dict) -> None:
                                                                       else "")
         print(f"{k:>3} {row['median_s'] * 1e3:10.2f} {row['min_s'] * 1e3:8.2f} {row['max_s'] * 1e3:8.2f} "
               f"{row['simulated_s'] * 1e3:13.2f}{mark}")
-    verdict = "PASS" if r["planner_over_best"] <= TOLERANCE else "MISS"
-    print(f"[{verdict}] planner's K={r['planner_k']} median / best K={r['best_k']} median = "
+    print(f"[{verdict(r)}] planner's K={r['planner_k']} median / best K={r['best_k']} median = "
           f"{r['planner_over_best']:.3f} (goal <= {TOLERANCE})")
+
+
+def verdict(r: dict) -> str:
+    """PASS within the tolerance; a miss whose median still lies inside the best K's min-max spread is
+    'MISS (within noise)': on a loaded machine that ordering is not established."""
+    if r["planner_over_best"] <= TOLERANCE:
+        return "PASS"
+    best, ours = r["per_k"][str(r["best_k"])], r["per_k"][str(r["planner_k"])]
+    return "MISS (within noise)" if best["min_s"] <= ours["median_s"] <= best["max_s"] else "MISS"
 
 
 def main() -> None:
