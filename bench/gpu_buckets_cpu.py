@@ -135,19 +135,26 @@ def main() -> None:
     for preset in args.presets.split(","):
         results[preset] = measure_preset(preset, args, batches)
         report(preset, results[preset])
+        if args.record:   # after each preset: a long run cut short keeps what it measured
+            write_record(args, results, load0)
     print(f"\nprofile this-machine: {hw.source}; CPU Adam {hw.adam_bandwidth / 1e9:.1f} GB/s, device "
           f"{hw.device_bf16_flops / 1e9:.1f} GFLOP/s; {torch.get_num_threads()} threads; load average "
           f"{load0:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     if args.record:
-        record = {"presets": results, "batch": args.batch, "seq": args.seq, "steps": args.steps,
-                  "rounds": args.rounds, "tolerance": TOLERANCE,
-                  "measured_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                  "machine": f"{os.cpu_count()} CPUs, load average {load0:.1f} -> {os.getloadavg()[0]:.1f}",
-                  "command": " ".join(["python", "bench/gpu_buckets_cpu.py", *sys.argv[1:]])}
-        path = pathlib.Path(args.record)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record, indent=1) + "\n")
-        print(f"recorded to {path}")
+        print(f"recorded to {write_record(args, results, load0)}")
+
+
+def write_record(args, results: dict, load0: float) -> pathlib.Path:
+    """The results so far as JSON at --record (bench/paper.py reads it)."""
+    record = {"presets": results, "batch": args.batch, "seq": args.seq, "steps": args.steps,
+              "rounds": args.rounds, "tolerance": TOLERANCE,
+              "measured_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "machine": f"{os.cpu_count()} CPUs, load average {load0:.1f} -> {os.getloadavg()[0]:.1f}",
+              "command": " ".join(["python", "bench/gpu_buckets_cpu.py", *sys.argv[1:]])}
+    path = pathlib.Path(args.record)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
 
 
 if __name__ == "__main__":
