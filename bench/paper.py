@@ -160,8 +160,9 @@ def gpu_buckets_cpu_row():
         parts.append(f"{preset}: K={r['planner_k']} of {r['buckets']} {ours['median_s'] * 1e3:.0f} ms, best K="
                      f"{r['best_k']} {best['median_s'] * 1e3:.0f} ms ({best['min_s'] * 1e3:.0f}-"
                      f"{best['max_s'] * 1e3:.0f}){noise if r['planner_k'] != r['best_k'] else ''}")
-    return (claim, 1.0, worst, "; ".join(parts) + f" (bench/gpu_buckets_cpu.py, {data['measured_at']}, {data['machine']})",
-            "measured")
+    missing = f"; {data['note']}" if data.get("note") else ""
+    return (claim, 1.0, worst, "; ".join(parts) + f" (bench/gpu_buckets_cpu.py, {data['measured_at']}, {data['machine']})"
+            + missing, "measured")
 
 
 def _attention_bound(d) -> float:
