@@ -25,7 +25,7 @@ DEEPSPEED_RATIO = 0.9   # SuperOffload's `ratio` in DeepSpeed's published config
 LABELS = {
     "measured": "measured on this machine (the bench named in the note)",
     "measured-input": "simulated; the figure follows from an input measured here (bench/adam.py's CPU Adam rates)",
-    "simulated": "planner + simulator on the datasheet profile (no measured input decides it)",
+    "simulated": "planner + simulator on the datasheet profile (CPU Adam at the measured share, as everywhere)",
     "restated": "restates an assumed input of the cost model: it cannot disagree with it",
 }
 
@@ -174,13 +174,14 @@ NOTES = """
 What remains different (docs/planner.md, "Simulator vs the paper", has the numbers):
 - ZeRO-Offload speedup: our baseline runs DeepSpeed's step after backward (unscale/clip pass over the fp32
   gradients, CPU Adam at DeepSpeedCPUAdam's share of ours as bench/adam.py measured it, CPU cast of the updated
-  weights, upload), each pass on all cores one after the other; gradients are cast on the GPU and copied during backward, as DeepSpeed does. Our SuperOffload
+  weights, upload), each pass on all cores one after the other; gradients are cast on the GPU and copied
+  during backward, as DeepSpeed does. Our SuperOffload
   side has no measured overheads (validation, launch gaps, Python), which the paper's runs pay. The paper's
   throughput configs checkpoint activations, which adds GPU time to both sides and lowers the ratio.
 - GPU buckets: against DeepSpeed's ratio 0.9 the planner wins the unclipped step it optimises; on a clipped
   step (every speculated CPU step redone after backward), which it does not optimise, more GPU buckets can
-  win: a ratio below 1 on that row says they do. On this CPU the planner's count
-  is checked against every count measured (bench/gpu_buckets_cpu.py).
+  win: a ratio below 1 on that row says they do. On this CPU the planner's count is checked against every
+  count measured (bench/gpu_buckets_cpu.py).
 - TFLOP/s at seq 4096: our 13B is Llama-2-13B-shaped, the blog's model Qwen3-14B; attention FLOPs are counted
   causal (what FlashAttention runs); the plan offloads some layers' activations to fit 94 GB.
 - 1M tokens: offloading whole layers does not fit beside the layer inputs; 'selective' (keep the attention
