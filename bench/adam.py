@@ -4,6 +4,9 @@ the machine's ceiling (a C pass with the step's loads and stores and no arithmet
     .venv/bin/python bench/adam.py                          # N = 16M and 128M, 1 and 64 tensors (a few minutes)
     .venv/bin/python bench/adam.py --sizes 4M --repeats 3   # quick
     .venv/bin/python bench/adam.py --deepspeed-python /tmp/dsvenv/bin/python   # DeepSpeed from another venv
+    .venv/bin/python bench/adam.py --sizes 64M --tensors 1 --modes fp32 --repeats 15 \
+        --methods "ours in-place;torch fused;deepspeed;ceiling in-place" --record socompile/hardware/cpu_adam_measured.json
+        # the rates the planner and the ZeRO-Offload baseline use (docs/planner.md, "CPU Adam rates")
 
 Configurations: N parameters as one tensor or as 64 tensors summing to N; "fp32" (fp32 grads) and "bf16"
 (bf16 grads in, bf16 copy of the updated params out: what an offloaded mixed-precision step needs; a torch
@@ -287,6 +290,9 @@ def main():
     ap.add_argument("--quiet-wait", type=float, default=0.0,
                     help="before each round wait up to this many seconds for the CPUs to be >= 85%% idle (a shared "
                          "machine); the report says how many rounds started quiet")
+    ap.add_argument("--record", default="",
+                    help="write the measured CPU Adam rates (ours / ceiling, ZeRO-Offload's kernel / ours) of the largest "
+                         "fp32 one-tensor configuration to this JSON file (socompile/hardware/cpu_adam_measured.json)")
     ap.add_argument("--thp", action="store_true",
                     help="THP_MEM_ALLOC_ENABLE=1: torch backs large tensors with 2 MB transparent huge pages (all methods)")
     args = ap.parse_args()
@@ -370,6 +376,8 @@ def main():
     print()
     print_ratios(configs, alltimes)
     print_bytes_arithmetic(configs, alltimes)
+    if args.record:
+        record_rates(args.record, configs, alltimes, load0)
 
 
 def store_choices(pr):
@@ -480,6 +488,62 @@ def print_bytes_arithmetic(configs, alltimes):
         if mode == "bf16" and r is not None:
             print(f"    {fmt_size(n)} x{nt}: torch fused + casts took {r[0]:.2f}x the 28-B ceiling pass, i.e. it moved "
                   f"~{28 * r[0]:.0f} B/param at ceiling speed")
+
+
+def _ratio_entry(alltimes, k, num, den) -> dict:
+    """A paired ratio as stored: median and quartiles over the rounds."""
+    median, q1, q3, _, _ = paired(alltimes, k, num, den)
+    return {"median": round(median, 4), "quartiles": [round(q1, 4), round(q3, 4)]}
+
+
+def _own_arguments(argv):
+    """The command line as the user typed it (without the '--deepspeed-python ""' the re-run appends)."""
+    return argv[:-2] if argv[-2:] == ["--deepspeed-python", ""] else argv
+
+
+def record_rates(path, configs, alltimes, load0):
+    """Store what socompile.hardware.cpu_adam reads: on the largest fp32 one-tensor configuration (ZeRO-Offload
+    steps one flat fp32 partition with fp32 gradients; its casts are separate passes the simulator charges),
+    ours' fraction of the streaming ceiling and the ZeRO-Offload kernel's bandwidth relative to ours, with
+    DeepSpeedCPUAdam as that kernel when it ran, else torch's fused AdamW as a labelled stand-in."""
+    import datetime
+    import json
+    import platform
+    import shlex
+
+    fp32_one = [k for k in configs if k[1] == 1 and k[2] == "fp32" and (k, "ours in-place") in alltimes
+                and (k, "ceiling in-place") in alltimes]
+    if not fp32_one:
+        raise SystemExit("--record needs an fp32 configuration with --tensors 1 and the methods 'ours in-place' "
+                         "and 'ceiling in-place'")
+    k = max(fp32_one)
+    baseline = "deepspeed" if (k, "deepspeed") in alltimes else "torch fused"
+    if (k, baseline) not in alltimes:
+        raise SystemExit("--record needs 'deepspeed' or 'torch fused' among the methods")
+    if baseline == "deepspeed":
+        import deepspeed
+        kernel = f"DeepSpeedCPUAdam (DeepSpeed {deepspeed.__version__}, its JIT-built CPU op)"
+    else:
+        kernel = (f"torch {torch.__version__} AdamW(fused=True), a stand-in: DeepSpeed did not run here "
+                  f"(pass --deepspeed-python)")
+    gbs = {name: round(summary(alltimes[(k, name)], k[0])[3], 2)
+           for name in ("ours in-place", "ceiling in-place", "torch fused", "deepspeed") if (k, name) in alltimes}
+    data = {
+        "ours_of_ceiling": _ratio_entry(alltimes, k, "ceiling in-place", "ours in-place"),
+        "baseline_of_ours": _ratio_entry(alltimes, k, "ours in-place", baseline),
+        "torch_fused_of_ours": (_ratio_entry(alltimes, k, "ours in-place", "torch fused")
+                                if (k, "torch fused") in alltimes else None),
+        "baseline_kernel": kernel,
+        "median_gb_per_s": gbs,
+        "params": k[0], "rounds": len(alltimes[(k, "ours in-place")]),
+        "measured_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch CPU capability "
+                   f"{torch.backends.cpu.get_cpu_capability()}, load average {load0:.1f} -> {os.getloadavg()[0]:.1f}",
+        "command": shlex.join(["python", "bench/adam.py", *_own_arguments(sys.argv[1:])]),
+    }
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+    print(f"\nrecorded to {path}: ours {data['ours_of_ceiling']['median']:.2f} of the ceiling; ZeRO-Offload's kernel "
+          f"({baseline}) {data['baseline_of_ours']['median']:.2f} of ours")
 
 
 if __name__ == "__main__":

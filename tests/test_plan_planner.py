@@ -53,14 +53,21 @@ def test_infeasible_plan_states_the_minimum_memory_and_what_to_change():
 
 
 def test_casts_go_to_the_gpu_on_c2c_and_to_the_cpu_on_pcie():
+    """The cast goes where fewer picoseconds per parameter are spent: fp32 over the link (4 B / link) or bf16
+    over the link plus the CPU kernel's 2 extra bytes (2 B / link + 2 B / CPU Adam). On C2C (450 GB/s) the GPU
+    wins while the CPU Adam streams less than the link (the blog's GraceAdam: 368 GB/s)."""
     ir = traced(bf16=True)
-    c2c = plan(ir, profile(), options(gpu_buckets=0))
+    c2c = plan(ir, profile(cpu_adam_bandwidth=368e9), options(gpu_buckets=0))
     pcie = plan(ir, profile("h100-pcie"), options(gpu_buckets=0))
     assert {b.cast_site for b in c2c.buckets} == {"device"}
     assert {b.param_link_dtype for b in c2c.buckets} == {"float32"}
     assert {b.cast_site for b in pcie.buckets} == {"cpu"}
     assert {b.param_link_dtype for b in pcie.buckets} == {"bfloat16"}
     assert all("ps/param" in b.cast_reason for b in pcie.buckets)
+    # the shipped gh200 profile (CPU Adam at the measured share of 500 GB/s) follows the same rule
+    hw = profile()
+    expected = "device" if 4 / hw.h2d_bandwidth <= 2 / hw.h2d_bandwidth + 2 / hw.adam_bandwidth else "cpu"
+    assert {b.cast_site for b in plan(ir, hw, options(gpu_buckets=0)).buckets} == {expected}
 
 
 def test_bf16_gradients_cross_the_link_as_bf16_and_fp32_models_stay_fp32():

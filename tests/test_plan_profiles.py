@@ -13,10 +13,11 @@ def test_shipped_profiles_have_positive_numbers_and_a_source():
         assert hw.source
 
 
-def test_gh200_link_is_c2c_450_gb_per_direction_and_grace_adam_matches_the_blog():
+def test_gh200_link_is_c2c_450_gb_per_direction_and_cpu_adam_the_measured_share_of_500_gb():
+    from socompile.hardware.cpu_adam import MEASURED
     hw = PROFILES["gh200"]
     assert hw.link_bandwidth == 450e9
-    assert 8e9 / hw.cpu_adam_params_per_s == pytest.approx(0.608, rel=0.01)   # GraceAdam, 8B params
+    assert hw.adam_bandwidth == pytest.approx(MEASURED.ours_of_ceiling * 500e9)   # not the blog's 368 GB/s
 
 
 def test_user_profile_loads_from_toml(tmp_path):

@@ -11,11 +11,13 @@ import json
 import os
 import pathlib
 
+from .cpu_adam import cpu_adam_bandwidth
+
 GB = 10**9
 
 # NOTE: CPU Adam bytes per parameter. One fused AdamW pass reads p, g, m, v and writes p, m, v: 7 fp32 streams =
-# 28 B/param (26 with bf16 gradients; +2 when it also writes the bf16 weight copy). The blog's GraceAdam table
-# (8B params in 0.608 s on GH200) is 28 B/param at ~368 GB/s. perf/cost.py and calibrate.py both use these.
+# 28 B/param (26 with bf16 gradients; +2 when it also writes the bf16 weight copy). perf/cost.py and
+# calibrate.py both use these.
 ADAM_BYTES_FP32_GRAD = 28
 ADAM_BYTES_BF16_GRAD = 26
 ADAM_BYTES_BF16_COPY = 2
@@ -32,7 +34,7 @@ class HardwareProfile:
     host_cores: int
     link_bandwidth: float         # bytes/s per direction between GPU and CPU
     link_latency: float           # seconds per transfer
-    cpu_adam_bandwidth: float = 0.0   # bytes/s the CPU Adam kernel streams (0: 70% of host_bandwidth)
+    cpu_adam_bandwidth: float = 0.0   # bytes/s the CPU Adam kernel streams (0: cpu_adam.py's measured share)
     device_reserved: int = 2 * GB     # bytes of device memory not available to the plan (context, allocator slack)
     link_bandwidth_d2h: float = 0.0   # bytes/s device->host if different from link_bandwidth (0: same)
     source: str = ""                  # where the numbers come from (shown in reports)
@@ -46,8 +48,9 @@ class HardwareProfile:
 
     @property
     def adam_bandwidth(self) -> float:
-        """Bytes/s of the CPU Adam kernel (measured, quoted, or 70% of the host's memory bandwidth)."""
-        return self.cpu_adam_bandwidth or 0.70 * self.host_bandwidth
+        """Bytes/s of the CPU Adam kernel: measured on the machine (calibrate), or the share of the host's
+        memory bandwidth bench/adam.py measured our kernel to stream (cpu_adam.py)."""
+        return self.cpu_adam_bandwidth or cpu_adam_bandwidth(self.host_bandwidth)
 
     @property
     def cpu_adam_params_per_s(self) -> float:
@@ -78,36 +81,41 @@ class HardwareProfile:
 
 PROFILES: dict[str, HardwareProfile] = {
     # NVIDIA GH200 datasheet: 96 GB HBM3 at ~4 TB/s, H100 dense bf16 ~989 TFLOP/s, up to 480 GB LPDDR5X at
-    # ~500 GB/s, 72 Neoverse V2 cores, NVLink-C2C 900 GB/s total = 450 GB/s per direction. CPU Adam: the
-    # SuperOffload blog's GraceAdam, 8B params in 0.608 s at 28 B/param = 368 GB/s.
+    # ~500 GB/s, 72 Neoverse V2 cores, NVLink-C2C 900 GB/s total = 450 GB/s per direction. CPU Adam: the share
+    # of the memory bandwidth our kernel streams, measured by bench/adam.py (cpu_adam.py; the SuperOffload
+    # blog's GraceAdam reached 368 GB/s = 74% of it).
     # Between Superchips: one GH200 per node (NVIDIA MGX GH200 servers; the paper's 8-GH200 runs are taken as 8
     # such nodes), one ConnectX-7 NDR InfiniBand NIC per Superchip: 400 Gb/s = 50 GB/s per direction (NVIDIA
     # ConnectX-7 / Quantum-2 NDR datasheets). Inside an NVLink domain (GH200 NVL2 / NVL32) the GPUs talk over
     # fourth-generation NVLink, 900 GB/s bidirectional = 450 GB/s per direction per GPU (NVIDIA GH200 NVL32
     # and Hopper architecture pages): set gpus_per_node (or --nodes) for such a system.
     "gh200": HardwareProfile("gh200", 96 * GB, 4.0e12, 989e12, 480 * GB, 500e9, 72, 450e9, 5e-6,
-                             cpu_adam_bandwidth=368e9, source="NVIDIA GH200 datasheet; SuperOffload blog; "
+                             cpu_adam_bandwidth=cpu_adam_bandwidth(500e9),
+                             source="NVIDIA GH200 datasheet; CPU Adam share measured by bench/adam.py; "
                              "ConnectX-7 NDR 400 Gb/s per Superchip; NVLink 4 900 GB/s per GPU",
                              gpus_per_node=1, intra_node_bandwidth=450e9, inter_node_bandwidth=50e9),
     # GH200 with 144 GB HBM3e at ~4.9 TB/s (same Grace side, same network).
     "gh200-144g": HardwareProfile("gh200-144g", 144 * GB, 4.9e12, 989e12, 480 * GB, 500e9, 72, 450e9, 5e-6,
-                                  cpu_adam_bandwidth=368e9, source="NVIDIA GH200 (HBM3e) datasheet; ConnectX-7 NDR",
+                                  cpu_adam_bandwidth=cpu_adam_bandwidth(500e9),
+                                  source="NVIDIA GH200 (HBM3e) datasheet; ConnectX-7 NDR; CPU Adam share measured",
                                   gpus_per_node=1, intra_node_bandwidth=450e9, inter_node_bandwidth=50e9),
     # H100 PCIe datasheet: 80 GB HBM2e at 2 TB/s, ~756 TFLOP/s dense bf16; PCIe Gen5 x16 64 GB/s per direction,
-    # ~55 achieved. Host: a typical 2-socket server, 1 TB DDR5 at ~300 GB/s, 64 cores. CPU Adam: 58% of the
-    # host bandwidth, DeepSpeed CPU-Adam's fraction on Grace in the blog (x86 AVX-512 reaches about the same).
+    # ~55 achieved. Host: a typical 2-socket server, 1 TB DDR5 at ~300 GB/s, 64 cores. CPU Adam: the measured
+    # share of the host bandwidth (cpu_adam.py), as on every profile.
     # Between GPUs: 8 per server; H100 PCIe cards pair up with NVLink bridges (600 GB/s bidirectional) but the
     # 8-GPU collective runs at the PCIe Gen5 rate through the host switches: ~55 GB/s per direction. One NDR
     # 400 Gb/s NIC per GPU (a common rail-optimised build) = 50 GB/s per direction.
     "h100-pcie": HardwareProfile("h100-pcie", 80 * GB, 2.0e12, 756e12, 1000 * GB, 300e9, 64, 55e9, 10e-6,
-                                 cpu_adam_bandwidth=0.58 * 300e9, source="NVIDIA H100 PCIe datasheet; PCIe Gen5",
+                                 cpu_adam_bandwidth=cpu_adam_bandwidth(300e9),
+                                 source="NVIDIA H100 PCIe datasheet; PCIe Gen5; CPU Adam share measured",
                                  gpus_per_node=8, gpus_per_host=8, intra_node_bandwidth=55e9,
                                  inter_node_bandwidth=50e9),
     # A100 PCIe datasheet: 80 GB HBM2e at ~1.9 TB/s, 312 TFLOP/s dense bf16; PCIe Gen4 x16 32 GB/s per
-    # direction, ~25 achieved. Host: 2-socket DDR4 server, ~200 GB/s, 64 cores; CPU Adam at 58% as above.
+    # direction, ~25 achieved. Host: 2-socket DDR4 server, ~200 GB/s, 64 cores; CPU Adam: the measured share.
     # Between GPUs: 8 per server over PCIe Gen4 (~25 GB/s per direction); one HDR 200 Gb/s NIC per GPU = 25 GB/s.
     "a100-pcie": HardwareProfile("a100-pcie", 80 * GB, 1.9e12, 312e12, 1000 * GB, 200e9, 64, 25e9, 10e-6,
-                                 cpu_adam_bandwidth=0.58 * 200e9, source="NVIDIA A100 PCIe datasheet; PCIe Gen4",
+                                 cpu_adam_bandwidth=cpu_adam_bandwidth(200e9),
+                                 source="NVIDIA A100 PCIe datasheet; PCIe Gen4; CPU Adam share measured",
                                  gpus_per_node=8, gpus_per_host=8, intra_node_bandwidth=25e9,
                                  inter_node_bandwidth=25e9),
 }

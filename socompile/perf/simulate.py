@@ -11,7 +11,7 @@ The same builder replays three schedules on the same work (same graph times, sam
 - ``zero-offload``: every bucket on the CPU, gradients cast to fp32 on the GPU and copied during backward (as
   DeepSpeed's stage 1/2 offload does), all CPU work after backward, as DeepSpeed's ``step`` does it: the fp32
   gradients unscaled/clipped in place (``unscale_and_clip_grads``: a ``mul_`` pass, always run), CPU Adam at
-  DeepSpeed CPU-Adam speed (58% vs GraceAdam's 74% of bandwidth, SuperOffload blog), the updated weights cast to
+  DeepSpeed CPU-Adam speed (measured against ours by bench/adam.py: hardware/cpu_adam.py), the updated weights cast to
   bf16 on the CPU as a separate pass (a cross-device ``copy_`` with a dtype change) and uploaded. Each of these is
   one OpenMP-parallel pass over all cores, so the baseline has one CPU lane at the whole bandwidth (the
   superoffload schedule's K worker lanes would leave bubbles between dependent passes on different lanes);
@@ -41,6 +41,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from ..dtypes import dtype_bytes
+from ..hardware.cpu_adam import MEASURED as MEASURED_ADAM
 from ..options import OFFLOADED_CHOICES
 from .analysis import GraphCosts
 from .cost import CostModel
@@ -48,10 +49,6 @@ from .timeline import SimResult, Task, replay
 
 if TYPE_CHECKING:   # annotations only: importing socompile.plan here would close the circle plan -> perf -> plan
     from ..plan.plan import Plan
-
-# DeepSpeed CPU-Adam / GraceAdam bandwidth fractions from the SuperOffload blog's Adam table (58% vs 74%).
-DEEPSPEED_ADAM_SCALE = 0.58 / 0.74
-
 
 class _Builder:
     def __init__(self, cpu_lanes: int):
@@ -127,7 +124,8 @@ class _Step:
         dp, self.sp = parallel_degrees(plan)
         self.world = dp * self.sp
         self.b = _Builder(lanes)
-        self.adam_scale = (DEEPSPEED_ADAM_SCALE if self.baseline else 1.0) / lanes
+        # the baseline's CPU Adam (DeepSpeedCPUAdam) streams at the measured share of ours
+        self.adam_scale = (MEASURED_ADAM.baseline_of_ours if self.baseline else 1.0) / lanes
         self.buckets = plan.buckets
         self.grad_size = plan_grad_dtype_bytes(plan)
         self.flow = {bk.index for bk in self.buckets
