@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from . import chrome_trace
+
 
 @dataclasses.dataclass(frozen=True)
 class Task:
@@ -91,6 +93,23 @@ class SimResult:
                 covered += max(0.0, min(e, gpu[k][1]) - max(s, gpu[k][0]))
                 k += 1
         return sum(e - s for s, e in merged) - covered
+
+    def lanes(self) -> list[str]:
+        """Lanes in display order: compute, its aux stream, the link, the CPU workers, the network."""
+        order = ("gpu", "gpu_aux", "h2d", "d2h", "cpu", "net")
+        return sorted(set(self.lane_of), key=lambda lane: (next((i for i, p in enumerate(order)
+                                                                   if lane.startswith(p)), len(order)), lane))
+
+    def chrome_trace(self, pid: int = chrome_trace.SIMULATED_PID) -> dict:
+        """The step in the Chrome trace event format (Perfetto, chrome://tracing): one complete event per task
+        on its lane's thread, times in microseconds from the step's start."""
+        lanes = self.lanes()
+        tid = {lane: i for i, lane in enumerate(lanes, start=1)}
+        events = chrome_trace.metadata(pid, f"simulated step ({self.schedule})", lanes)
+        for task, s, e in zip(self.tasks, self.start, self.end):
+            args = {"bytes": task.nbytes} if task.nbytes else None
+            events.append(chrome_trace.complete(task.name, task.kind, s, e, pid, tid[task.lane], args))
+        return chrome_trace.trace(events)
 
     def bucket_times(self) -> dict[int, tuple[float, float]]:
         """bucket index -> (gradients ready or sent, optimizer step finished) in seconds from step start."""

@@ -1,0 +1,149 @@
+"""Simulated vs measured step time on this machine, plan shape by plan shape.
+
+    python bench/sim_vs_real.py [--presets tiny,small] [--cases stationary,flow] [--steps 12] [--warmup 3]
+
+The "device" of a CPU-only build is this CPU (DESIGN section 5), so every plan shape the runtime supports runs
+here for real: the simulator replays each compiled plan on the ``this-machine`` profile (measured first by
+``socompile.hardware.calibrate``, as ``python -m socompile calibrate`` does) and the same compiled model trains
+for a few steps. Per case: the simulated step, the measured median (with min-max over the timed steps; warm-up
+steps, which compile, are excluded) and sim/real. The last line is ``sim/real: min X max Y``; the goal is every
+ratio within 0.8-1.25.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+import socompile
+from socompile.data import ByteBatches, stdlib_corpus
+from socompile.models import build
+
+HYPER = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One plan shape: backend options, optimizer arguments and the model's dtype."""
+    name: str
+    options: dict
+    optimizer: dict = dataclasses.field(default_factory=dict)
+    dtype: torch.dtype = torch.float32
+
+
+CASES = (
+    Case("stationary", {"weight_mode": "stationary", "gpu_buckets": 0}),
+    Case("flow", {"weight_mode": "flow", "gpu_buckets": 0, "prefetch_distance": 1}),
+    Case("gpu buckets", {"weight_mode": "stationary", "gpu_buckets": 2}),
+    Case("separate master fp32", {"weight_mode": "stationary", "gpu_buckets": 0}, {"host_master": "separate"}),
+    Case("separate master bf16", {"weight_mode": "stationary", "gpu_buckets": 0}, dtype=torch.bfloat16),
+    Case("activation offload", {"weight_mode": "stationary", "gpu_buckets": 0, "activations": "offload"}),
+    Case("grad accumulation x2", {"weight_mode": "stationary", "gpu_buckets": 0}, {"grad_accumulation_steps": 2}),
+)
+BUCKET_SIZE = {"tiny": "256KB", "small": "1MB"}
+
+
+@dataclasses.dataclass
+class Result:
+    case: str
+    preset: str
+    simulated: float
+    measured: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.measured)
+
+    @property
+    def ratio(self) -> float:
+        return self.simulated / self.median
+
+
+def calibrated_profile_path(directory: str) -> str:
+    """Measure this machine now (the measured runs see the same load) and write the profile file the plans
+    target; the user's cached ``this-machine`` profile is left alone."""
+    from socompile.hardware.calibrate import calibrate
+    from socompile.hardware.profiles import save_profile
+    return str(save_profile(calibrate(quick=True), os.path.join(directory, "this-machine.json")))
+
+
+def simulated_step(ctx) -> float:
+    """The simulator's step time of a compiled graph pair's plan, on the profile it was planned for."""
+    from socompile.perf.analysis import analyze
+    from socompile.perf.cost import CostModel
+    from socompile.perf.simulate import simulate
+    from socompile.plan import get_profile
+    cost = CostModel(get_profile(ctx.options.target), ctx.ir.symbol_values)
+    return simulate(ctx.plan, analyze(ctx.ir, cost), cost).step_time
+
+
+def run_case(case: Case, preset: str, target: str, batches, warmup: int, accumulate: int = 1) -> Result:
+    """Compile ``preset`` with the case's options, train on ``batches``; the step of each timed batch group."""
+    torch.manual_seed(0)
+    model = build(preset).to(case.dtype)
+    opt = socompile.AdamW(model.parameters(), **HYPER, **case.optimizer)
+    micro = opt.grad_accumulation_steps
+    backend = socompile.SuperOffload({"target": target, "bucket_size": BUCKET_SIZE.get(preset, "1MB"),
+                                      **case.options})
+    cmodel = torch.compile(model, backend=backend)
+    times = []
+    for i in range(0, len(batches) - micro + 1, micro):
+        start = time.perf_counter()
+        for x, y in batches[i:i + micro]:
+            F.cross_entropy(cmodel(x).flatten(0, 1).float(), y.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+        if i // micro >= warmup:
+            times.append(time.perf_counter() - start)
+    ctx = backend.compiled[0]
+    sim = simulated_step(ctx) * micro if micro > 1 else simulated_step(ctx)
+    torch._dynamo.reset()
+    return Result(case.name, preset, sim, times)
+
+
+def format_row(r: Result) -> str:
+    return (f"{r.preset:6s} {r.case:22s} {r.simulated * 1e3:9.2f} {r.median * 1e3:9.2f} "
+            f"{f'({min(r.measured) * 1e3:.1f}-{max(r.measured) * 1e3:.1f})':>16s} {r.ratio:6.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--presets", default="tiny,small")
+    parser.add_argument("--cases", default=",".join(c.name for c in CASES),
+                        help="comma-separated case names (default: all)")
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per case")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile, caches)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--target", default=None, help="profile file to plan for (default: calibrate now)")
+    args = parser.parse_args(argv)
+    chosen = [c for c in CASES if c.name in args.cases.split(",")]
+    unknown = set(args.cases.split(",")) - {c.name for c in CASES}
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(sorted(unknown))}; known: {', '.join(c.name for c in CASES)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        target = args.target or calibrated_profile_path(tmp)
+        print(f"{'preset':6s} {'case':22s} {'sim ms':>9s} {'real ms':>9s} {'(min-max)':>16s} {'ratio':>6s}",
+              flush=True)
+        results = []
+        for preset in args.presets.split(","):
+            data = ByteBatches(stdlib_corpus(400_000), args.batch, args.seq, seed=0)
+            for case in chosen:
+                micro = case.optimizer.get("grad_accumulation_steps", 1)
+                batches = [next(data) for _ in range((args.warmup + args.steps) * micro)]
+                results.append(run_case(case, preset, target, batches, args.warmup))
+                print(format_row(results[-1]), flush=True)
+    ratios = [r.ratio for r in results]
+    print(f"sim/real: min {min(ratios):.2f} max {max(ratios):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
