@@ -1,5 +1,8 @@
+import json
+
 import pytest
 
+from test_chrome_trace import lanes_by_tid
 from test_plan_helpers import options, profile, traced
 from socompile.plan.planner import plan_with_details
 from socompile.perf.simulate import Task, replay, simulate
@@ -73,3 +76,32 @@ def test_unknown_schedule_is_rejected():
     d = _details()
     with pytest.raises(ValueError, match="schedule"):
         simulate(d.plan, d.costs, d.cost, "zero-7")
+
+
+def test_the_simulated_step_exports_one_complete_event_per_task_on_its_lane():
+    d = _details()
+    sim = simulate(d.plan, d.costs, d.cost, "zero-offload")
+    trace = json.loads(json.dumps(sim.chrome_trace(pid=3)))    # what a viewer reads back
+    work = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(work) == len(sim.tasks)
+    lanes = lanes_by_tid(trace, 3)
+    for event, task, start, end in zip(work, sim.tasks, sim.start, sim.end):
+        assert event["name"] == task.name and event["cat"] == task.kind and event["pid"] == 3
+        assert lanes[event["tid"]] == task.lane
+        assert event["ts"] == start * 1e6 and abs(event["dur"] - (end - start) * 1e6) < 1e-6
+    assert set(lanes.values()) == set(sim.lane_of)
+
+
+def test_socompile_simulate_writes_every_schedule_as_its_own_process(tmp_path, capsys, monkeypatch):
+    from socompile.cli import plan_commands
+    d = _details()   # planned once per process: the command's own planning is tested elsewhere
+    monkeypatch.setattr(plan_commands, "_plan", lambda args: None)
+    monkeypatch.setattr(plan_commands, "_details", lambda ctx: d)
+    out = tmp_path / "sim.json"
+    assert plan_commands.cmd_simulate(["--model", "tiny", "--seq", "64", "--batch", "2", "--target", "gh200",
+                         "--trace", str(out)]) == 0
+    events = json.loads(out.read_text())["traceEvents"]
+    processes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert sorted(processes.values()) == ["simulated step (superoffload)", "simulated step (zero-infinity)",
+                                          "simulated step (zero-offload)"]
+    assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
