@@ -1,8 +1,10 @@
 """Event-driven replay of one training step of a plan on a hardware profile.
 
 A step is a DAG of tasks on lanes: ``gpu`` (the compute stream), ``gpu_aux`` (a second stream for casts of
-uploaded weights), ``h2d`` and ``d2h`` (the link, one lane per direction), and ``cpu0..cpuK`` (CPU optimizer
-workers; they share the CPU's memory bandwidth, so K lanes each get 1/K of it). This module builds the tasks
+uploaded weights), ``h2d`` and ``d2h`` (the link, one lane per direction), and ``cpu0`` (the CPU optimizer: the
+runtime's one worker running the OpenMP kernel over every core, at the CPU's whole Adam bandwidth, one bucket
+after the other, as runtime/worker.py does; docs/planner.md "CPU lanes" says why one lane beats several).
+``cpu_lanes=K`` (experiments) replays K workers sharing that bandwidth, each at 1/K of it. This module builds the tasks
 from a plan; timeline.py replays them (how a lane runs its tasks) and holds the result (``SimResult``).
 
 The same builder replays three schedules on the same work (same graph times, same buckets):
@@ -391,8 +393,9 @@ def simulate(plan: Plan, costs: GraphCosts, cost: CostModel, schedule: str = "su
     if speculation not in ("on", "off", "redo"):
         raise ValueError(f"speculation must be 'on', 'off' or 'redo', got {speculation!r}")
     hw = cost.hw
-    # DeepSpeed's CPU passes (unscale, Adam, cast) each use every core, one after the other: one lane.
-    lanes = 1 if schedule != "superoffload" else cpu_lanes or max(1, min(4, hw.host_cores // 16))
+    # One CPU lane, what the runtime runs (runtime/worker.py) and the faster choice for a bandwidth-bound kernel
+    # (docs/planner.md, "CPU lanes"); DeepSpeed's CPU passes (unscale, Adam, cast) likewise use every core in turn.
+    lanes = 1 if schedule != "superoffload" else cpu_lanes or 1
     if schedule not in ("superoffload", "zero-offload", "zero-infinity"):
         raise ValueError(f"unknown schedule {schedule!r}")
     step = _Step(plan, costs, cost, schedule, lanes, speculation)
