@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import socompile
 from socompile.data import ByteBatches, stdlib_corpus
 from socompile.models import build
+from socompile.tools.runtime_timeline import simulate_compiled
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
 
@@ -74,14 +75,13 @@ def calibrated_profile_path(directory: str) -> str:
     return str(save_profile(calibrate(quick=True), os.path.join(directory, "this-machine.json")))
 
 
-def simulated_step(ctx) -> float:
-    """The simulator's step time of a compiled graph pair's plan, on the profile it was planned for."""
-    from socompile.perf.analysis import analyze
-    from socompile.perf.cost import CostModel
-    from socompile.perf.simulate import simulate
-    from socompile.plan import get_profile
-    cost = CostModel(get_profile(ctx.options.target), ctx.ir.symbol_values)
-    return simulate(ctx.plan, analyze(ctx.ir, cost), cost).step_time
+def simulated_step(ctx, micro_batches: int = 1) -> float:
+    """The simulator's step of a compiled graph pair's plan, on the profile it was planned for. With gradient
+    accumulation the step runs ``micro_batches`` forward/backward passes: the replayed step is the last one (its
+    gradients are stepped), each earlier one costs a forward and a backward (up to the backward's end: its
+    gradients are added into the buckets, not stepped)."""
+    sim = simulate_compiled(ctx)
+    return sim.step_time + (micro_batches - 1) * sim.backward_end
 
 
 def run_case(case: Case, preset: str, target: str, batches, warmup: int, accumulate: int = 1) -> Result:
@@ -102,8 +102,7 @@ def run_case(case: Case, preset: str, target: str, batches, warmup: int, accumul
         opt.zero_grad()
         if i // micro >= warmup:
             times.append(time.perf_counter() - start)
-    ctx = backend.compiled[0]
-    sim = simulated_step(ctx) * micro if micro > 1 else simulated_step(ctx)
+    sim = simulated_step(backend.compiled[0], micro)
     torch._dynamo.reset()
     return Result(case.name, preset, sim, times)
 
