@@ -84,14 +84,15 @@ def simulated_step(ctx, micro_batches: int = 1) -> float:
     return sim.step_time + (micro_batches - 1) * sim.backward_end
 
 
-def run_case(case: Case, preset: str, target: str, batches, warmup: int, accumulate: int = 1) -> Result:
+def run_case(case: Case, preset: str, target: str, batches, warmup: int, compute: str = "inductor",
+             layers: int | None = None) -> Result:
     """Compile ``preset`` with the case's options, train on ``batches``; the step of each timed batch group."""
     torch.manual_seed(0)
-    model = build(preset).to(case.dtype)
+    model = build(preset, **({"n_layers": layers} if layers else {})).to(case.dtype)
     opt = socompile.AdamW(model.parameters(), **HYPER, **case.optimizer)
     micro = opt.grad_accumulation_steps
     backend = socompile.SuperOffload({"target": target, "bucket_size": BUCKET_SIZE.get(preset, "1MB"),
-                                      **case.options})
+                                      "compute": compute, **case.options})
     cmodel = torch.compile(model, backend=backend)
     times = []
     for i in range(0, len(batches) - micro + 1, micro):
@@ -122,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--target", default=None, help="profile file to plan for (default: calibrate now)")
+    parser.add_argument("--compute", default="inductor", choices=["inductor", "eager"])
+    parser.add_argument("--layers", type=int, default=None, help="override the presets' layer count")
     args = parser.parse_args(argv)
     chosen = [c for c in CASES if c.name in args.cases.split(",")]
     unknown = set(args.cases.split(",")) - {c.name for c in CASES}
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             for case in chosen:
                 micro = case.optimizer.get("grad_accumulation_steps", 1)
                 batches = [next(data) for _ in range((args.warmup + args.steps) * micro)]
-                results.append(run_case(case, preset, target, batches, args.warmup))
+                results.append(run_case(case, preset, target, batches, args.warmup, args.compute, args.layers))
                 print(format_row(results[-1]), flush=True)
     ratios = [r.ratio for r in results]
     print(f"sim/real: min {min(ratios):.2f} max {max(ratios):.2f}")

@@ -119,5 +119,5 @@ def calibrate(quick: bool = False, name: str = THIS_MACHINE) -> HardwareProfile:
         name=name, device_memory=int(dev_mem), device_bandwidth=dev_bw, device_bf16_flops=flops,
         host_memory=_host_memory(), host_bandwidth=host_bw, host_cores=cores, link_bandwidth=h2d,
         link_latency=10e-6, cpu_adam_bandwidth=adam_bw, device_reserved=0 if not torch.cuda.is_available() else GB,
-        link_bandwidth_d2h=d2h,
+        link_bandwidth_d2h=d2h, device_is_host=not torch.cuda.is_available(),
         source=f"measured by socompile calibrate ({'quick' if quick else 'full'}; {where}; CPU Adam: {adam_kind})")

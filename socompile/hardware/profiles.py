@@ -43,6 +43,7 @@ class HardwareProfile:
     intra_node_bandwidth: float = 0.0   # bytes/s per GPU per direction inside a node (NVLink/PCIe)
     inter_node_bandwidth: float = 0.0   # bytes/s per GPU per direction between nodes (InfiniBand NIC share)
     interconnect_latency: float = 10e-6   # seconds per collective step (launch + first byte), across nodes
+    device_is_host: bool = False      # no GPU: the "device" is this CPU (calibrate without CUDA; DESIGN section 5)
 
     @property
     def adam_bandwidth(self) -> float:
@@ -140,6 +141,8 @@ def profile_from_dict(data: dict, default_name: str = "user") -> HardwareProfile
                 "gpus_per_host"):
         if key in data:
             data[key] = int(data[key])
+    if "device_is_host" in data:
+        data["device_is_host"] = bool(data["device_is_host"])
     for key, value in data.items():
         if key not in ("name", "source") and float(value) < 0:
             raise ValueError(f"hardware profile field {key} must be >= 0, got {value!r}")

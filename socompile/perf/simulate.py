@@ -56,16 +56,21 @@ DEEPSPEED_ADAM_SCALE = 0.58 / 0.74
 
 
 class _Builder:
-    def __init__(self, cpu_lanes: int):
+    def __init__(self, cpu_lanes: int, device_is_host: bool = False):
         self.tasks: list[Task] = []
         self.cpu_lanes = cpu_lanes
         self._next_cpu = 0
+        # A CPU-only build (the "device" is this CPU): the compute, the copies (memcpy on stream threads) and
+        # the optimizer (stepped inline, between backward nodes: AdamW cpu_worker="auto") share the same cores
+        # and memory bandwidth, so every task takes the compute lane's resources, one after the other.
+        self.runs_on = "gpu" if device_is_host else ""
 
     def add(self, name, lane, duration, deps=(), kind="compute", nbytes=0.0) -> int:
         if lane == "cpu":
             lane = f"cpu{self._next_cpu}"
             self._next_cpu = (self._next_cpu + 1) % self.cpu_lanes
-        self.tasks.append(Task(name, lane, float(duration), tuple(d for d in deps if d is not None), kind, nbytes))
+        self.tasks.append(Task(name, lane, float(duration), tuple(d for d in deps if d is not None), kind, nbytes,
+                               self.runs_on if lane != self.runs_on else ""))
         return len(self.tasks) - 1
 
 
@@ -128,7 +133,7 @@ class _Step:
         infinity = schedule == "zero-infinity"
         dp, self.sp = parallel_degrees(plan)
         self.world = dp * self.sp
-        self.b = _Builder(lanes)
+        self.b = _Builder(lanes, cost.hw.device_is_host)
         self.adam_scale = (DEEPSPEED_ADAM_SCALE if self.baseline else 1.0) / lanes
         self.buckets = plan.buckets
         self.grad_size = plan_grad_dtype_bytes(plan)
