@@ -67,12 +67,28 @@ class Result:
         return self.simulated / self.median
 
 
-def calibrated_profile_path(directory: str) -> str:
-    """Measure this machine now (the measured runs see the same load) and write the profile file the plans
-    target; the user's cached ``this-machine`` profile is left alone."""
+def calibrated_profile_path(directory: str, as_gpu: bool = False) -> str:
+    """Measure this machine now, just before the case that plans for it (so both see the same machine: other
+    processes' load included), and write the profile file the plans target; the user's cached
+    ``this-machine`` profile is left alone. ``as_gpu``: drop ``device_is_host``, the simulator's model of a
+    separate device (what it assumed before CPU-only builds were modelled)."""
     from socompile.hardware.calibrate import calibrate
     from socompile.hardware.profiles import save_profile
-    return str(save_profile(calibrate(quick=True), os.path.join(directory, "this-machine.json")))
+    profile = calibrate(quick=True)
+    if as_gpu:
+        profile = dataclasses.replace(profile, device_is_host=False)
+    return str(save_profile(profile, os.path.join(directory, "this-machine.json")))
+
+
+def set_threads(threads: int) -> None:
+    """The compute's and the CPU Adam kernel's threads (calibration measures with the same)."""
+    torch.set_num_threads(threads)
+    import socompile_ext
+    socompile_ext.set_num_threads(threads)
+
+
+def load_average() -> float:
+    return os.getloadavg()[0]
 
 
 def simulated_step(ctx, micro_batches: int = 1) -> float:
@@ -125,23 +141,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default=None, help="profile file to plan for (default: calibrate now)")
     parser.add_argument("--compute", default="inductor", choices=["inductor", "eager"])
     parser.add_argument("--layers", type=int, default=None, help="override the presets' layer count")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="compute and CPU Adam threads")
+    parser.add_argument("--as-gpu", action="store_true",
+                        help="simulate the device as a separate GPU (the model before CPU-only builds were modelled)")
     args = parser.parse_args(argv)
     chosen = [c for c in CASES if c.name in args.cases.split(",")]
     unknown = set(args.cases.split(",")) - {c.name for c in CASES}
     if unknown:
         parser.error(f"unknown case(s) {', '.join(sorted(unknown))}; known: {', '.join(c.name for c in CASES)}")
+    set_threads(args.threads)
+    start_load = load_average()
+    print(f"batch {args.batch} x seq {args.seq}, compute {args.compute}, {args.threads} threads, {args.steps} timed "
+          f"steps after {args.warmup} warm-up; profile {'from ' + args.target if args.target else 'calibrated before each case'}"
+          f"{' (as a separate GPU)' if args.as_gpu else ''}")
+    print(f"{'preset':6s} {'case':22s} {'sim ms':>9s} {'real ms':>9s} {'(min-max)':>16s} {'ratio':>6s}", flush=True)
+    results = []
     with tempfile.TemporaryDirectory() as tmp:
-        target = args.target or calibrated_profile_path(tmp)
-        print(f"{'preset':6s} {'case':22s} {'sim ms':>9s} {'real ms':>9s} {'(min-max)':>16s} {'ratio':>6s}",
-              flush=True)
-        results = []
         for preset in args.presets.split(","):
             data = ByteBatches(stdlib_corpus(400_000), args.batch, args.seq, seed=0)
             for case in chosen:
                 micro = case.optimizer.get("grad_accumulation_steps", 1)
                 batches = [next(data) for _ in range((args.warmup + args.steps) * micro)]
+                target = args.target or calibrated_profile_path(tmp, args.as_gpu)
                 results.append(run_case(case, preset, target, batches, args.warmup, args.compute, args.layers))
                 print(format_row(results[-1]), flush=True)
+    print(f"# load average (1 min) at start {start_load:.2f}, at end {load_average():.2f} on {os.cpu_count()} CPUs: "
+          f"above ~0.5 other processes share the cores")
     ratios = [r.ratio for r in results]
     print(f"sim/real: min {min(ratios):.2f} max {max(ratios):.2f}")
     return 0
