@@ -5,6 +5,8 @@ import pytest
 from test_chrome_trace import lanes_by_tid
 from test_plan_helpers import options, profile, traced
 from socompile.plan.planner import plan_with_details
+from socompile.perf.analysis import analyze
+from socompile.perf.cost import CostModel
 from socompile.perf.simulate import Task, replay, simulate
 
 
@@ -105,3 +107,27 @@ def test_socompile_simulate_writes_every_schedule_as_its_own_process(tmp_path, c
     assert sorted(processes.values()) == ["simulated step (superoffload)", "simulated step (zero-infinity)",
                                           "simulated step (zero-offload)"]
     assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+
+
+def test_on_a_cpu_device_every_lane_takes_the_same_cores_one_task_at_a_time():
+    """A CPU-only build (calibrate without CUDA: device_is_host): compute, memcpy "transfers" and the inline
+    optimizer share the cores, so the replayed step is the sum of its tasks; as a separate GPU they overlap."""
+    hw = profile(host_cores=2)
+    d = plan_with_details(traced(bf16=True), hw, options())
+    on_cpu = simulate(d.plan, d.costs, CostModel(profile(host_cores=2, device_is_host=True), d.cost.symbol_values))
+    assert {t.resource for t in on_cpu.tasks} == {"gpu"}
+    assert on_cpu.step_time == pytest.approx(sum(t.duration for t in on_cpu.tasks), rel=1e-9)
+    assert {t.lane for t in on_cpu.tasks} == set(d.simulation.lane_of)   # the trace keeps the logical lanes
+    as_gpu = simulate(d.plan, d.costs, d.cost)
+    assert as_gpu.step_time < on_cpu.step_time
+
+
+def test_fp32_matmuls_run_at_the_profiles_fp32_rate_where_it_has_one():
+    ir = traced()   # an fp32 model
+    bf16_rate = profile(device_bf16_flops=1e11)   # a CPU-like rate: the tiny model's matmuls are compute-bound
+    slow_fp32 = profile(device_bf16_flops=1e11, device_fp32_flops=1e11 / 3)
+    t_same = analyze(ir, CostModel(bf16_rate, ir.symbol_values)).fw_time
+    t_fp32 = analyze(ir, CostModel(slow_fp32, ir.symbol_values)).fw_time
+    assert t_fp32 > t_same
+    assert bf16_rate.matmul_flops("torch.float32") == bf16_rate.device_bf16_flops   # shipped: unchanged
+    assert slow_fp32.matmul_flops("torch.bfloat16") == bf16_rate.device_bf16_flops

@@ -6,7 +6,8 @@ What is measured, and how:
   (fused if available, else foreach), reported as the bytes/s it streams at 28 B/param;
 - copy rates "host->device" and "device->host": on a CUDA machine, pinned-memory copies; without a GPU the
   "device" is this CPU (DESIGN section 5), so a copy between two host buffers.
-Device FLOP/s is measured as a bf16 matmul on the device (on a CPU this is slow and is what the plan gets).
+Device FLOP/s is measured as a bf16 and an fp32 matmul on the device (on a CPU this is slow and is what the
+plan gets; fp32 models compute at the fp32 rate, a third of bf16 on this AVX512-BF16 CPU).
 """
 from __future__ import annotations
 
@@ -75,9 +76,9 @@ def measure_adam_bandwidth(numel: int, repeats: int = 3) -> tuple[float, str]:
     return numel * ADAM_BYTES_FP32_GRAD / seconds, kind
 
 
-def measure_matmul_flops(n: int, device: str = "cpu", repeats: int = 2) -> float:
+def measure_matmul_flops(n: int, device: str = "cpu", repeats: int = 2, dtype=None) -> float:
     import torch
-    dtype = torch.bfloat16
+    dtype = dtype or torch.bfloat16
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
 
@@ -108,16 +109,18 @@ def calibrate(quick: bool = False, name: str = THIS_MACHINE) -> HardwareProfile:
         d2h = measure_copy_bandwidth(buffer, src_device="cuda", dst_device="cpu")
         dev_bw = measure_copy_bandwidth(buffer, src_device="cuda", dst_device="cuda") * 2
         flops = measure_matmul_flops(4096 if quick else 8192, device="cuda")
+        fp32_flops = measure_matmul_flops(4096 if quick else 8192, device="cuda", dtype=torch.float32)
         dev_mem, where = props.total_memory, f"GPU {props.name}"
     else:
         # DESIGN section 5: without a GPU the device is this CPU; "link" copies are host memcpy (moved bytes).
         h2d = d2h = host_bw / 2
         dev_bw = host_bw
         flops = measure_matmul_flops(512 if quick else 1024)
+        fp32_flops = measure_matmul_flops(512 if quick else 1024, dtype=torch.float32)
         dev_mem, where = _host_memory() // 2, "no GPU: the device is this CPU"
     return HardwareProfile(
         name=name, device_memory=int(dev_mem), device_bandwidth=dev_bw, device_bf16_flops=flops,
         host_memory=_host_memory(), host_bandwidth=host_bw, host_cores=cores, link_bandwidth=h2d,
         link_latency=10e-6, cpu_adam_bandwidth=adam_bw, device_reserved=0 if not torch.cuda.is_available() else GB,
-        link_bandwidth_d2h=d2h, device_is_host=not torch.cuda.is_available(),
+        link_bandwidth_d2h=d2h, device_is_host=not torch.cuda.is_available(), device_fp32_flops=fp32_flops,
         source=f"measured by socompile calibrate ({'quick' if quick else 'full'}; {where}; CPU Adam: {adam_kind})")

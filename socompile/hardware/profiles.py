@@ -44,11 +44,20 @@ class HardwareProfile:
     inter_node_bandwidth: float = 0.0   # bytes/s per GPU per direction between nodes (InfiniBand NIC share)
     interconnect_latency: float = 10e-6   # seconds per collective step (launch + first byte), across nodes
     device_is_host: bool = False      # no GPU: the "device" is this CPU (calibrate without CUDA; DESIGN section 5)
+    device_fp32_flops: float = 0.0    # fp32 matmul FLOP/s where measured (calibrate); 0: the bf16 rate
 
     @property
     def adam_bandwidth(self) -> float:
         """Bytes/s of the CPU Adam kernel (measured, quoted, or 70% of the host's memory bandwidth)."""
         return self.cpu_adam_bandwidth or 0.70 * self.host_bandwidth
+
+    def matmul_flops(self, dtype: str = "") -> float:
+        """FLOP/s of a matmul computing in ``dtype`` (``str(torch dtype)``): the measured fp32 rate for fp32 where
+        the profile has one (on a CPU "device" fp32 runs at about a third of bf16 with AVX512-BF16), else the
+        bf16 rate (the shipped GPU profiles: not measured, left as before)."""
+        if dtype == "torch.float32" and self.device_fp32_flops:
+            return self.device_fp32_flops
+        return self.device_bf16_flops
 
     @property
     def cpu_adam_params_per_s(self) -> float:

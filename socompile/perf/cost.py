@@ -78,15 +78,16 @@ class CostModel:
         return self.symbol_values[name]
 
     # ---------------------------------------------------------------- formulas
-    def node_time(self, op_cls: str, flops, bytes_moved):
-        """Seconds of one kernel: compute- or bandwidth-bound, whichever is slower (roofline)."""
+    def node_time(self, op_cls: str, flops, bytes_moved, dtype: str = ""):
+        """Seconds of one kernel: compute- or bandwidth-bound, whichever is slower (roofline), at the FLOP rate
+        of the dtype it computes in (``str(torch dtype)`` of its output; "" for the bf16 rate)."""
         if op_cls == "free":
             return 0
         hw = self.hw
         memory = bytes_moved / (hw.device_bandwidth * EFFICIENCY["memory"])
         if op_cls == "memory" or flops == 0:
             return memory
-        compute = flops / (hw.device_bf16_flops * EFFICIENCY[op_cls])
+        compute = flops / (hw.matmul_flops(dtype) * EFFICIENCY[op_cls])
         return _max(compute, memory)
 
     def transfer_time(self, nbytes, direction: str = "h2d"):
