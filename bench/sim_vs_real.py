@@ -139,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--target", default=None, help="profile file to plan for (default: calibrate now)")
-    parser.add_argument("--compute", default="inductor", choices=["inductor", "eager"])
+    parser.add_argument("--compute", default="eager", choices=["inductor", "eager"],
+                        help="eager (default) runs one kernel per graph node, as the simulator charges them; "
+                        "inductor fuses nodes (fewer, larger kernels) and compiles for minutes")
     parser.add_argument("--layers", type=int, default=None, help="override the presets' layer count")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="compute and CPU Adam threads")
     parser.add_argument("--as-gpu", action="store_true",

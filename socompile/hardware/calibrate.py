@@ -89,6 +89,18 @@ def measure_matmul_flops(n: int, device: str = "cpu", repeats: int = 2, dtype=No
     return 2 * n**3 / _best_of(run, repeats)
 
 
+def measure_op_latency(repeats: int = 200) -> float:
+    """Seconds of one tiny op on the CPU (dispatch, no data): what each kernel of a CPU "device" costs on top
+    of its bytes and FLOPs."""
+    import torch
+    x = torch.zeros(1)
+
+    def run():
+        for _ in range(repeats):
+            x.add_(1.0)
+    return _best_of(run, 3) / repeats
+
+
 def _host_memory() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -110,6 +122,7 @@ def calibrate(quick: bool = False, name: str = THIS_MACHINE) -> HardwareProfile:
         dev_bw = measure_copy_bandwidth(buffer, src_device="cuda", dst_device="cuda") * 2
         flops = measure_matmul_flops(4096 if quick else 8192, device="cuda")
         fp32_flops = measure_matmul_flops(4096 if quick else 8192, device="cuda", dtype=torch.float32)
+        op_latency = 0.0   # launches are queued ahead of the GPU: hidden
         dev_mem, where = props.total_memory, f"GPU {props.name}"
     else:
         # DESIGN section 5: without a GPU the device is this CPU; "link" copies are host memcpy (moved bytes).
@@ -117,10 +130,12 @@ def calibrate(quick: bool = False, name: str = THIS_MACHINE) -> HardwareProfile:
         dev_bw = host_bw
         flops = measure_matmul_flops(512 if quick else 1024)
         fp32_flops = measure_matmul_flops(512 if quick else 1024, dtype=torch.float32)
+        op_latency = measure_op_latency()
         dev_mem, where = _host_memory() // 2, "no GPU: the device is this CPU"
     return HardwareProfile(
         name=name, device_memory=int(dev_mem), device_bandwidth=dev_bw, device_bf16_flops=flops,
         host_memory=_host_memory(), host_bandwidth=host_bw, host_cores=cores, link_bandwidth=h2d,
         link_latency=10e-6, cpu_adam_bandwidth=adam_bw, device_reserved=0 if not torch.cuda.is_available() else GB,
         link_bandwidth_d2h=d2h, device_is_host=not torch.cuda.is_available(), device_fp32_flops=fp32_flops,
+        device_op_latency=op_latency,
         source=f"measured by socompile calibrate ({'quick' if quick else 'full'}; {where}; CPU Adam: {adam_kind})")

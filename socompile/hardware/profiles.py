@@ -45,6 +45,8 @@ class HardwareProfile:
     interconnect_latency: float = 10e-6   # seconds per collective step (launch + first byte), across nodes
     device_is_host: bool = False      # no GPU: the "device" is this CPU (calibrate without CUDA; DESIGN section 5)
     device_fp32_flops: float = 0.0    # fp32 matmul FLOP/s where measured (calibrate); 0: the bf16 rate
+    device_op_latency: float = 0.0    # seconds each kernel costs beyond its roofline time where it is not hidden
+                                      # (a CPU "device": the dispatch runs on the cores; calibrate measures it)
 
     @property
     def adam_bandwidth(self) -> float:
