@@ -131,3 +131,9 @@ def test_fp32_matmuls_run_at_the_profiles_fp32_rate_where_it_has_one():
     assert t_fp32 > t_same
     assert bf16_rate.matmul_flops("torch.float32") == bf16_rate.device_bf16_flops   # shipped: unchanged
     assert slow_fp32.matmul_flops("torch.bfloat16") == bf16_rate.device_bf16_flops
+
+
+def test_a_cpu_device_pays_each_kernels_dispatch_and_views_cost_nothing():
+    cost = CostModel(profile(device_op_latency=5e-6))
+    assert cost.node_time("memory", 0, 0) == 5e-6 and cost.node_time("free", 0, 0) == 0
+    assert CostModel(profile()).node_time("memory", 0, 0) == 0   # shipped GPU profiles: launches hidden
