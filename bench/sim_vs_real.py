@@ -100,8 +100,11 @@ def simulated_step(ctx, micro_batches: int = 1) -> float:
     return sim.step_time + (micro_batches - 1) * sim.backward_end
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
 def run_case(case: Case, preset: str, target: str, batches, warmup: int, compute: str = "inductor",
-             layers: int | None = None) -> Result:
+             layers: int | None = None, clock: str = "wall") -> Result:
     """Compile ``preset`` with the case's options, train on ``batches``; the step of each timed batch group."""
     torch.manual_seed(0)
     model = build(preset, **({"n_layers": layers} if layers else {})).to(case.dtype)
@@ -111,14 +114,15 @@ def run_case(case: Case, preset: str, target: str, batches, warmup: int, compute
                                       "compute": compute, **case.options})
     cmodel = torch.compile(model, backend=backend)
     times = []
+    now = CLOCKS[clock]
     for i in range(0, len(batches) - micro + 1, micro):
-        start = time.perf_counter()
+        start = now()
         for x, y in batches[i:i + micro]:
             F.cross_entropy(cmodel(x).flatten(0, 1).float(), y.flatten()).backward()
         opt.step()
         opt.zero_grad()
         if i // micro >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append(now() - start)
     sim = simulated_step(backend.compiled[0], micro)
     torch._dynamo.reset()
     return Result(case.name, preset, sim, times)
@@ -144,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
                         "inductor fuses nodes (fewer, larger kernels) and compiles for minutes")
     parser.add_argument("--layers", type=int, default=None, help="override the presets' layer count")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="compute and CPU Adam threads")
+    parser.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
+                        help="wall: seconds per step; cpu: CPU seconds of this process per step (every thread), "
+                        "which with --threads 1 is the step of an idle machine even when others share the cores")
     parser.add_argument("--as-gpu", action="store_true",
                         help="simulate the device as a separate GPU (the model before CPU-only builds were modelled)")
     args = parser.parse_args(argv)
@@ -153,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown case(s) {', '.join(sorted(unknown))}; known: {', '.join(c.name for c in CASES)}")
     set_threads(args.threads)
     start_load = load_average()
-    print(f"batch {args.batch} x seq {args.seq}, compute {args.compute}, {args.threads} threads, {args.steps} timed "
+    print(f"batch {args.batch} x seq {args.seq}, compute {args.compute}, {args.threads} threads, {args.clock} clock, "
+          f"{args.steps} timed "
           f"steps after {args.warmup} warm-up; profile {'from ' + args.target if args.target else 'calibrated before each case'}"
           f"{' (as a separate GPU)' if args.as_gpu else ''}")
     print(f"{'preset':6s} {'case':22s} {'sim ms':>9s} {'real ms':>9s} {'(min-max)':>16s} {'ratio':>6s}", flush=True)
@@ -165,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                 micro = case.optimizer.get("grad_accumulation_steps", 1)
                 batches = [next(data) for _ in range((args.warmup + args.steps) * micro)]
                 target = args.target or calibrated_profile_path(tmp, args.as_gpu)
-                results.append(run_case(case, preset, target, batches, args.warmup, args.compute, args.layers))
+                results.append(run_case(case, preset, target, batches, args.warmup, args.compute, args.layers,
+                                        args.clock))
                 print(format_row(results[-1]), flush=True)
     print(f"# load average (1 min) at start {start_load:.2f}, at end {load_average():.2f} on {os.cpu_count()} CPUs: "
           f"above ~0.5 other processes share the cores")
