@@ -70,13 +70,13 @@ class Result:
 def calibrated_profile_path(directory: str, as_gpu: bool = False) -> str:
     """Measure this machine now, just before the case that plans for it (so both see the same machine: other
     processes' load included), and write the profile file the plans target; the user's cached
-    ``this-machine`` profile is left alone. ``as_gpu``: drop ``device_is_host``, the simulator's model of a
-    separate device (what it assumed before CPU-only builds were modelled)."""
+    ``this-machine`` profile is left alone. ``as_gpu``: the model before CPU-only builds were modelled (a
+    separate device, one FLOP rate for every dtype, no dispatch cost)."""
     from socompile.hardware.calibrate import calibrate
     from socompile.hardware.profiles import save_profile
     profile = calibrate(quick=True)
     if as_gpu:
-        profile = dataclasses.replace(profile, device_is_host=False)
+        profile = dataclasses.replace(profile, device_is_host=False, device_fp32_flops=0.0, device_op_latency=0.0)
     return str(save_profile(profile, os.path.join(directory, "this-machine.json")))
 
 
