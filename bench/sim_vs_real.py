@@ -49,6 +49,7 @@ CASES = (
     Case("grad accumulation x2", {"weight_mode": "stationary", "gpu_buckets": 0}, {"grad_accumulation_steps": 2}),
 )
 BUCKET_SIZE = {"tiny": "256KB", "small": "1MB"}
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 @dataclasses.dataclass
@@ -67,14 +68,14 @@ class Result:
         return self.simulated / self.median
 
 
-def calibrated_profile_path(directory: str, as_gpu: bool = False) -> str:
+def calibrated_profile_path(directory: str, as_gpu: bool = False, clock: str = "wall") -> str:
     """Measure this machine now, just before the case that plans for it (so both see the same machine: other
     processes' load included), and write the profile file the plans target; the user's cached
     ``this-machine`` profile is left alone. ``as_gpu``: the model before CPU-only builds were modelled (a
     separate device, one FLOP rate for every dtype, no dispatch cost)."""
     from socompile.hardware.calibrate import calibrate
     from socompile.hardware.profiles import save_profile
-    profile = calibrate(quick=True)
+    profile = calibrate(quick=True, clock=CLOCKS[clock])   # the clock the steps are timed on
     if as_gpu:
         profile = dataclasses.replace(profile, device_is_host=False, device_fp32_flops=0.0, device_op_latency=0.0)
     return str(save_profile(profile, os.path.join(directory, "this-machine.json")))
@@ -98,9 +99,6 @@ def simulated_step(ctx, micro_batches: int = 1) -> float:
     gradients are added into the buckets, not stepped)."""
     sim = simulate_compiled(ctx)
     return sim.step_time + (micro_batches - 1) * sim.backward_end
-
-
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def run_case(case: Case, preset: str, target: str, batches, warmup: int, compute: str = "inductor",
@@ -172,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             for case in chosen:
                 micro = case.optimizer.get("grad_accumulation_steps", 1)
                 batches = [next(data) for _ in range((args.warmup + args.steps) * micro)]
-                target = args.target or calibrated_profile_path(tmp, args.as_gpu)
+                target = args.target or calibrated_profile_path(tmp, args.as_gpu, args.clock)
                 results.append(run_case(case, preset, target, batches, args.warmup, args.compute, args.layers,
                                         args.clock))
                 print(format_row(results[-1]), flush=True)

@@ -17,17 +17,20 @@ import time
 from .profiles import ADAM_BYTES_FP32_GRAD, GB, THIS_MACHINE, HardwareProfile
 
 
-def _best_of(fn, repeats: int) -> float:
+def _best_of(fn, repeats: int, clock=time.perf_counter) -> float:
+    """Fastest of ``repeats`` runs on ``clock`` (time.process_time: CPU seconds, for single-threaded
+    measurements on a machine that other processes share)."""
     fn()  # warm up: page faults and thread start-up are not bandwidth
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return best
 
 
-def measure_copy_bandwidth(nbytes: int, repeats: int = 3, src_device: str = "cpu", dst_device: str = "cpu") -> float:
+def measure_copy_bandwidth(nbytes: int, repeats: int = 3, src_device: str = "cpu", dst_device: str = "cpu",
+                           clock=time.perf_counter) -> float:
     """Bytes/s of ``dst.copy_(src)``; host-to-host counts read + write, cross-device counts the bytes moved."""
     import torch
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=src_device)
@@ -42,12 +45,12 @@ def measure_copy_bandwidth(nbytes: int, repeats: int = 3, src_device: str = "cpu
         dst.copy_(src)
         if src_device != "cpu" or dst_device != "cpu":
             torch.cuda.synchronize()
-    seconds = _best_of(run, repeats)
+    seconds = _best_of(run, repeats, clock)
     moved = nbytes * (2 if src_device == dst_device == "cpu" else 1)
     return moved / seconds
 
 
-def measure_adam_bandwidth(numel: int, repeats: int = 3) -> tuple[float, str]:
+def measure_adam_bandwidth(numel: int, repeats: int = 3, clock=time.perf_counter) -> tuple[float, str]:
     """(bytes/s at 28 B/param, which implementation) of one fp32 AdamW step over ``numel`` parameters."""
     import torch
     p, g, m, v = (torch.full((numel,), 0.01, dtype=torch.float32) for _ in range(4))
@@ -72,11 +75,11 @@ def measure_adam_bandwidth(numel: int, repeats: int = 3) -> tuple[float, str]:
 
         def run():
             opt.step()
-    seconds = _best_of(run, repeats)
+    seconds = _best_of(run, repeats, clock)
     return numel * ADAM_BYTES_FP32_GRAD / seconds, kind
 
 
-def measure_matmul_flops(n: int, device: str = "cpu", repeats: int = 2, dtype=None) -> float:
+def measure_matmul_flops(n: int, device: str = "cpu", repeats: int = 2, dtype=None, clock=time.perf_counter) -> float:
     import torch
     dtype = dtype or torch.bfloat16
     a = torch.randn(n, n, device=device).to(dtype)
@@ -86,10 +89,10 @@ def measure_matmul_flops(n: int, device: str = "cpu", repeats: int = 2, dtype=No
         a @ b
         if device != "cpu":
             torch.cuda.synchronize()
-    return 2 * n**3 / _best_of(run, repeats)
+    return 2 * n**3 / _best_of(run, repeats, clock)
 
 
-def measure_op_latency(repeats: int = 200) -> float:
+def measure_op_latency(repeats: int = 200, clock=time.perf_counter) -> float:
     """Seconds of one tiny op on the CPU (dispatch, no data): what each kernel of a CPU "device" costs on top
     of its bytes and FLOPs."""
     import torch
@@ -98,7 +101,7 @@ def measure_op_latency(repeats: int = 200) -> float:
     def run():
         for _ in range(repeats):
             x.add_(1.0)
-    return _best_of(run, 3) / repeats
+    return _best_of(run, 3, clock) / repeats
 
 
 def _host_memory() -> int:
@@ -108,12 +111,13 @@ def _host_memory() -> int:
         return 16 * GB
 
 
-def calibrate(quick: bool = False, name: str = THIS_MACHINE) -> HardwareProfile:
-    """Measure this machine. ``quick`` uses smaller buffers (a few seconds; noisier)."""
+def calibrate(quick: bool = False, name: str = THIS_MACHINE, clock=time.perf_counter) -> HardwareProfile:
+    """Measure this machine. ``quick`` uses smaller buffers (a few seconds; noisier). ``clock``: see _best_of
+    (the CPU measurements only; a GPU's are timed on the wall clock)."""
     import torch
     buffer = (64 if quick else 512) * 2**20
-    host_bw = measure_copy_bandwidth(buffer)
-    adam_bw, adam_kind = measure_adam_bandwidth((4 if quick else 32) * 2**20)
+    host_bw = measure_copy_bandwidth(buffer, clock=clock)
+    adam_bw, adam_kind = measure_adam_bandwidth((4 if quick else 32) * 2**20, clock=clock)
     cores = os.cpu_count() or 1
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
@@ -128,9 +132,9 @@ def calibrate(quick: bool = False, name: str = THIS_MACHINE) -> HardwareProfile:
         # DESIGN section 5: without a GPU the device is this CPU; "link" copies are host memcpy (moved bytes).
         h2d = d2h = host_bw / 2
         dev_bw = host_bw
-        flops = measure_matmul_flops(512 if quick else 1024)
-        fp32_flops = measure_matmul_flops(512 if quick else 1024, dtype=torch.float32)
-        op_latency = measure_op_latency()
+        flops = measure_matmul_flops(512 if quick else 1024, clock=clock)
+        fp32_flops = measure_matmul_flops(512 if quick else 1024, dtype=torch.float32, clock=clock)
+        op_latency = measure_op_latency(clock=clock)
         dev_mem, where = _host_memory() // 2, "no GPU: the device is this CPU"
     return HardwareProfile(
         name=name, device_memory=int(dev_mem), device_bandwidth=dev_bw, device_bf16_flops=flops,
