@@ -69,8 +69,8 @@ class Result:
 
 
 def calibrated_profile_path(directory: str, as_gpu: bool = False, clock: str = "wall") -> str:
-    """Measure this machine now, just before the case that plans for it (so both see the same machine: other
-    processes' load included), and write the profile file the plans target; the user's cached
+    """Measure this machine now, on the clock the steps are timed on, and write the profile file the plans
+    target (one profile for every case: the ratios compare the same model across shapes); the user's cached
     ``this-machine`` profile is left alone. ``as_gpu``: the model before CPU-only builds were modelled (a
     separate device, one FLOP rate for every dtype, no dispatch cost)."""
     from socompile.hardware.calibrate import calibrate
@@ -158,19 +158,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown case(s) {', '.join(sorted(unknown))}; known: {', '.join(c.name for c in CASES)}")
     set_threads(args.threads)
     start_load = load_average()
+    source = f"from {args.target}" if args.target else "calibrated now"
     print(f"batch {args.batch} x seq {args.seq}, compute {args.compute}, {args.threads} threads, {args.clock} clock, "
-          f"{args.steps} timed "
-          f"steps after {args.warmup} warm-up; profile {'from ' + args.target if args.target else 'calibrated before each case'}"
+          f"{args.steps} timed steps after {args.warmup} warm-up; profile {source}"
           f"{' (as a separate GPU)' if args.as_gpu else ''}")
     print(f"{'preset':6s} {'case':22s} {'sim ms':>9s} {'real ms':>9s} {'(min-max)':>16s} {'ratio':>6s}", flush=True)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
+        target = args.target or calibrated_profile_path(tmp, args.as_gpu, args.clock)
         for preset in args.presets.split(","):
             data = ByteBatches(stdlib_corpus(400_000), args.batch, args.seq, seed=0)
             for case in chosen:
                 micro = case.optimizer.get("grad_accumulation_steps", 1)
                 batches = [next(data) for _ in range((args.warmup + args.steps) * micro)]
-                target = args.target or calibrated_profile_path(tmp, args.as_gpu, args.clock)
                 results.append(run_case(case, preset, target, batches, args.warmup, args.compute, args.layers,
                                         args.clock))
                 print(format_row(results[-1]), flush=True)
