@@ -1,8 +1,13 @@
+import json
+
 import pytest
 
+from test_chrome_trace import lanes_by_tid
 from test_plan_helpers import options, profile, traced
 from socompile.plan.planner import plan_with_details
 from socompile.hardware.cpu_adam import MEASURED
+from socompile.perf.analysis import analyze
+from socompile.perf.cost import CostModel
 from socompile.perf.simulate import Task, replay, simulate
 
 
@@ -100,3 +105,60 @@ def test_the_simulated_transfers_move_the_bytes_of_the_plans_transfer_list():
     assert simulated == pytest.approx(planned, rel=1e-12) and "gradients" in planned
     assert ("weight upload" in planned) == any(b.weight_mode == "stationary" and b.optimizer_site == "cpu"
                                                for b in d.plan.buckets)
+def test_the_simulated_step_exports_one_complete_event_per_task_on_its_lane():
+    d = _details()
+    sim = simulate(d.plan, d.costs, d.cost, "zero-offload")
+    trace = json.loads(json.dumps(sim.chrome_trace(pid=3)))    # what a viewer reads back
+    work = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(work) == len(sim.tasks)
+    lanes = lanes_by_tid(trace, 3)
+    for event, task, start, end in zip(work, sim.tasks, sim.start, sim.end):
+        assert event["name"] == task.name and event["cat"] == task.kind and event["pid"] == 3
+        assert lanes[event["tid"]] == task.lane
+        assert event["ts"] == start * 1e6 and abs(event["dur"] - (end - start) * 1e6) < 1e-6
+    assert set(lanes.values()) == set(sim.lane_of)
+
+
+def test_socompile_simulate_writes_every_schedule_as_its_own_process(tmp_path, capsys, monkeypatch):
+    from socompile.cli import plan_commands
+    d = _details()   # planned once per process: the command's own planning is tested elsewhere
+    monkeypatch.setattr(plan_commands, "_plan", lambda args: None)
+    monkeypatch.setattr(plan_commands, "_details", lambda ctx: d)
+    out = tmp_path / "sim.json"
+    assert plan_commands.cmd_simulate(["--model", "tiny", "--seq", "64", "--batch", "2", "--target", "gh200",
+                         "--trace", str(out)]) == 0
+    events = json.loads(out.read_text())["traceEvents"]
+    processes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert sorted(processes.values()) == ["simulated step (superoffload)", "simulated step (zero-infinity)",
+                                          "simulated step (zero-offload)"]
+    assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+
+
+def test_on_a_cpu_device_every_lane_takes_the_same_cores_one_task_at_a_time():
+    """A CPU-only build (calibrate without CUDA: device_is_host): compute, memcpy "transfers" and the inline
+    optimizer share the cores, so the replayed step is the sum of its tasks; as a separate GPU they overlap."""
+    hw = profile(host_cores=2)
+    d = plan_with_details(traced(bf16=True), hw, options())
+    on_cpu = simulate(d.plan, d.costs, CostModel(profile(host_cores=2, device_is_host=True), d.cost.symbol_values))
+    assert {t.resource for t in on_cpu.tasks} == {"gpu"}
+    assert on_cpu.step_time == pytest.approx(sum(t.duration for t in on_cpu.tasks), rel=1e-9)
+    assert {t.lane for t in on_cpu.tasks} == set(d.simulation.lane_of)   # the trace keeps the logical lanes
+    as_gpu = simulate(d.plan, d.costs, d.cost)
+    assert as_gpu.step_time < on_cpu.step_time
+
+
+def test_fp32_matmuls_run_at_the_profiles_fp32_rate_where_it_has_one():
+    ir = traced()   # an fp32 model
+    bf16_rate = profile(device_bf16_flops=1e11)   # a CPU-like rate: the tiny model's matmuls are compute-bound
+    slow_fp32 = profile(device_bf16_flops=1e11, device_fp32_flops=1e11 / 3)
+    t_same = analyze(ir, CostModel(bf16_rate, ir.symbol_values)).fw_time
+    t_fp32 = analyze(ir, CostModel(slow_fp32, ir.symbol_values)).fw_time
+    assert t_fp32 > t_same
+    assert bf16_rate.matmul_flops("torch.float32") == bf16_rate.device_bf16_flops   # shipped: unchanged
+    assert slow_fp32.matmul_flops("torch.bfloat16") == bf16_rate.device_bf16_flops
+
+
+def test_a_cpu_device_pays_each_kernels_dispatch_and_views_cost_nothing():
+    cost = CostModel(profile(device_op_latency=5e-6))
+    assert cost.node_time("memory", 0, 0) == 5e-6 and cost.node_time("free", 0, 0) == 0
+    assert CostModel(profile()).node_time("memory", 0, 0) == 0   # shipped GPU profiles: launches hidden

@@ -90,6 +90,7 @@ def _add_phase(g: nx.DiGraph, gm: fx.GraphModule, phase: str, alias: dict[str, s
         g.add_node(key, phase=phase, order=i, op=str(node.target) if node.op != "placeholder" else "placeholder",
                    kind=node.op, is_view=_is_view(node), alias_of=local_alias.get(node.name),
                    bytes=tensor_bytes(node.meta.get("val")), flops=node_flops(node),
+                   dtype=str(getattr(node.meta.get("val"), "dtype", "")),
                    reads_params=tuple(sorted(reads)), stack_trace=node.meta.get("stack_trace"))
         for inp in node.all_input_nodes:
             g.add_edge(f"{phase}:{inp.name}", key)

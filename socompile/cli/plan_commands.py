@@ -138,9 +138,13 @@ def cmd_simulate(argv: list[str] | None = None) -> int:
                                      description="Replay the plan, ZeRO-Offload and ZeRO-Infinity schedules.")
     _model_args(parser)
     parser.add_argument("--html", dest="html_path", default=None, help="write the timelines as HTML here")
+    parser.add_argument("--trace", dest="trace_path", default=None,
+                        help="write the timelines as a Chrome trace (JSON; open in Perfetto or chrome://tracing)")
     args = parser.parse_args(argv)
     writable_file(args.html_path, "--html")
+    writable_file(args.trace_path, "--trace")
     from ..plan.planner import PlanError
+    from ..perf import chrome_trace
     from ..perf.simulate import simulate
     from ..report import plan_html
     try:
@@ -158,6 +162,9 @@ def cmd_simulate(argv: list[str] | None = None) -> int:
               + f"{sim.step_time / sims[0].step_time:>9.2f}x")
     if args.html_path:
         pathlib.Path(args.html_path).write_text(plan_html(details.plan, sims, title=f"socompile simulate: {args.model}"))
+    if args.trace_path:   # one process per schedule, side by side
+        chrome_trace.write(chrome_trace.merge(*(sim.chrome_trace(pid) for pid, sim in enumerate(sims, start=1))),
+                           args.trace_path)
     return 0
 
 

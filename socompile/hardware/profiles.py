@@ -45,12 +45,24 @@ class HardwareProfile:
     intra_node_bandwidth: float = 0.0   # bytes/s per GPU per direction inside a node (NVLink/PCIe)
     inter_node_bandwidth: float = 0.0   # bytes/s per GPU per direction between nodes (InfiniBand NIC share)
     interconnect_latency: float = 10e-6   # seconds per collective step (launch + first byte), across nodes
+    device_is_host: bool = False      # no GPU: the "device" is this CPU (calibrate without CUDA; DESIGN section 5)
+    device_fp32_flops: float = 0.0    # fp32 matmul FLOP/s where measured (calibrate); 0: the bf16 rate
+    device_op_latency: float = 0.0    # seconds each kernel costs beyond its roofline time where it is not hidden
+                                      # (a CPU "device": the dispatch runs on the cores; calibrate measures it)
 
     @property
     def adam_bandwidth(self) -> float:
         """Bytes/s of the CPU Adam kernel: measured on the machine (calibrate), or the share of the host's
         memory bandwidth bench/adam.py measured our kernel to stream (cpu_adam.py)."""
         return self.cpu_adam_bandwidth or cpu_adam_bandwidth(self.host_bandwidth)
+
+    def matmul_flops(self, dtype: str = "") -> float:
+        """FLOP/s of a matmul computing in ``dtype`` (``str(torch dtype)``): the measured fp32 rate for fp32 where
+        the profile has one (on a CPU "device" fp32 runs at about a third of bf16 with AVX512-BF16), else the
+        bf16 rate (the shipped GPU profiles: not measured, left as before)."""
+        if dtype == "torch.float32" and self.device_fp32_flops:
+            return self.device_fp32_flops
+        return self.device_bf16_flops
 
     @property
     def cpu_adam_params_per_s(self) -> float:
@@ -148,6 +160,8 @@ def profile_from_dict(data: dict, default_name: str = "user") -> HardwareProfile
                 "gpus_per_host"):
         if key in data:
             data[key] = int(data[key])
+    if "device_is_host" in data:
+        data["device_is_host"] = bool(data["device_is_host"])
     for key, value in data.items():
         if key not in ("name", "source") and float(value) < 0:
             raise ValueError(f"hardware profile field {key} must be >= 0, got {value!r}")

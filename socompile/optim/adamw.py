@@ -32,6 +32,7 @@ from torch import nn
 
 from ..options import parse_bytes
 from ..plan.bucketize import bucketize
+from ..runtime import ranges
 from ..runtime.cpu_adam import grad_stats, rollback_inplace, step_bucket
 from ..runtime.device import Runtimes
 from ..runtime.events import EventLog
@@ -477,6 +478,7 @@ class AdamW(torch.optim.Optimizer):
         bucket.stepped = True
         self.events.record("step_end", bucket.index)
 
+    @ranges.ranged(ranges.VALIDATE)
     def _validate_and_finish(self, buckets: list[FlatBucket]) -> None:
         """Validation: commit the speculated steps, or roll them back and skip (non-finite gradients), or
         roll them back and redo them with clipped gradients."""

@@ -5,7 +5,8 @@ shapes (batch, sequence) when the IR is symbolic and a number when it is not; ``
 expression at the trace's shapes (or any other shapes) and caches it, so a 20k-node graph with a few hundred
 distinct size expressions costs a few hundred sympy evaluations.
 
-    node time       = max(flops / (peak_flops * eff[class]), bytes_moved / (hbm_bw * eff_mem))
+    node time       = op latency + max(flops / (peak_flops[dtype] * eff[class]), bytes_moved / (hbm_bw * eff_mem))
+                      (op latency: 0 on a GPU, whose launches are queued ahead; a CPU "device" pays its dispatch)
     transfer time   = latency + bytes / link_bw(direction)
     CPU Adam time   = numel * bytes_per_param / cpu_adam_bw       (28 B/param fp32, 26 with bf16 grads, +2 bf16 copy)
     GPU Adam time   = numel * 30 / (hbm_bw * eff_mem)             (fused AdamW + bf16 weight copy, same streams)
@@ -78,16 +79,17 @@ class CostModel:
         return self.symbol_values[name]
 
     # ---------------------------------------------------------------- formulas
-    def node_time(self, op_cls: str, flops, bytes_moved):
-        """Seconds of one kernel: compute- or bandwidth-bound, whichever is slower (roofline)."""
+    def node_time(self, op_cls: str, flops, bytes_moved, dtype: str = ""):
+        """Seconds of one kernel: compute- or bandwidth-bound, whichever is slower (roofline), at the FLOP rate
+        of the dtype it computes in (``str(torch dtype)`` of its output; "" for the bf16 rate)."""
         if op_cls == "free":
             return 0
         hw = self.hw
         memory = bytes_moved / (hw.device_bandwidth * EFFICIENCY["memory"])
         if op_cls == "memory" or flops == 0:
-            return memory
-        compute = flops / (hw.device_bf16_flops * EFFICIENCY[op_cls])
-        return _max(compute, memory)
+            return hw.device_op_latency + memory
+        compute = flops / (hw.matmul_flops(dtype) * EFFICIENCY[op_cls])
+        return hw.device_op_latency + _max(compute, memory)
 
     def transfer_time(self, nbytes, direction: str = "h2d"):
         """Seconds to move ``nbytes`` over the link; direction 'h2d' or 'd2h'."""

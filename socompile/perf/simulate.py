@@ -1,8 +1,10 @@
 """Event-driven replay of one training step of a plan on a hardware profile.
 
 A step is a DAG of tasks on lanes: ``gpu`` (the compute stream), ``gpu_aux`` (a second stream for casts of
-uploaded weights), ``h2d`` and ``d2h`` (the link, one lane per direction), and ``cpu0..cpuK`` (CPU optimizer
-workers; they share the CPU's memory bandwidth, so K lanes each get 1/K of it). This module builds the tasks
+uploaded weights), ``h2d`` and ``d2h`` (the link, one lane per direction), and ``cpu0`` (the CPU optimizer: the
+runtime's one worker running the OpenMP kernel over every core, at the CPU's whole Adam bandwidth, one bucket
+after the other, as runtime/worker.py does; docs/planner.md "CPU lanes" says why one lane beats several).
+``cpu_lanes=K`` (experiments) replays K workers sharing that bandwidth, each at 1/K of it. This module builds the tasks
 from a plan; timeline.py replays them (how a lane runs its tasks) and holds the result (``SimResult``).
 
 The same builder replays three schedules on the same work (same graph times, same buckets):
@@ -51,16 +53,21 @@ if TYPE_CHECKING:   # annotations only: importing socompile.plan here would clos
     from ..plan.plan import Plan
 
 class _Builder:
-    def __init__(self, cpu_lanes: int):
+    def __init__(self, cpu_lanes: int, device_is_host: bool = False):
         self.tasks: list[Task] = []
         self.cpu_lanes = cpu_lanes
         self._next_cpu = 0
+        # A CPU-only build (the "device" is this CPU): the compute, the copies (memcpy on stream threads) and
+        # the optimizer (stepped inline, between backward nodes: AdamW cpu_worker="auto") share the same cores
+        # and memory bandwidth, so every task takes the compute lane's resources, one after the other.
+        self.runs_on = "gpu" if device_is_host else ""
 
     def add(self, name, lane, duration, deps=(), kind="compute", nbytes=0.0) -> int:
         if lane == "cpu":
             lane = f"cpu{self._next_cpu}"
             self._next_cpu = (self._next_cpu + 1) % self.cpu_lanes
-        self.tasks.append(Task(name, lane, float(duration), tuple(d for d in deps if d is not None), kind, nbytes))
+        self.tasks.append(Task(name, lane, float(duration), tuple(d for d in deps if d is not None), kind, nbytes,
+                               self.runs_on if lane != self.runs_on else ""))
         return len(self.tasks) - 1
 
 
@@ -123,7 +130,7 @@ class _Step:
         infinity = schedule == "zero-infinity"
         dp, self.sp = parallel_degrees(plan)
         self.world = dp * self.sp
-        self.b = _Builder(lanes)
+        self.b = _Builder(lanes, cost.hw.device_is_host)
         # the baseline's CPU Adam (DeepSpeedCPUAdam) streams at the measured share of ours
         self.adam_scale = (MEASURED_ADAM.baseline_of_ours if self.baseline else 1.0) / lanes
         self.buckets = plan.buckets
@@ -401,8 +408,9 @@ def simulate(plan: Plan, costs: GraphCosts, cost: CostModel, schedule: str = "su
     if speculation not in ("on", "off", "redo"):
         raise ValueError(f"speculation must be 'on', 'off' or 'redo', got {speculation!r}")
     hw = cost.hw
-    # DeepSpeed's CPU passes (unscale, Adam, cast) each use every core, one after the other: one lane.
-    lanes = 1 if schedule != "superoffload" else cpu_lanes or max(1, min(4, hw.host_cores // 16))
+    # One CPU lane, what the runtime runs (runtime/worker.py) and the faster choice for a bandwidth-bound kernel
+    # (docs/planner.md, "CPU lanes"); DeepSpeed's CPU passes (unscale, Adam, cast) likewise use every core in turn.
+    lanes = 1 if schedule != "superoffload" else cpu_lanes or 1
     if schedule not in ("superoffload", "zero-offload", "zero-infinity"):
         raise ValueError(f"unknown schedule {schedule!r}")
     step = _Step(plan, costs, cost, schedule, lanes, speculation)

@@ -2,7 +2,9 @@
 metrics. Separate from simulate.py, which decides what tasks a plan's step issues (and for the baseline
 schedules); this part knows nothing of plans, only of tasks, lanes and dependencies.
 
-Each in-order lane (compute, CPU workers) runs its tasks in issue order, like a CUDA stream or a single-thread
+A task runs on its lane's resources, or on another lane's (``runs_on``: on a CPU-only build the "device" is
+the CPU, so compute, copies and the optimizer all take the same cores, one lane). Each in-order lane (compute,
+CPU workers) runs its tasks in issue order, like a CUDA stream or a single-thread
 executor; a task starts when its lane is free and all its dependencies have finished. Replaying tasks in issue
 order is exact for in-order lanes because dependencies always point at earlier-issued tasks. Lanes ``h2d``,
 ``d2h`` and ``net:*`` serve transfers first-ready-first-served (several streams share one link).
@@ -10,6 +12,8 @@ order is exact for in-order lanes because dependencies always point at earlier-i
 from __future__ import annotations
 
 import dataclasses
+
+from . import chrome_trace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +24,11 @@ class Task:
     deps: tuple[int, ...]
     kind: str          # "compute", "transfer", "adam", "cast"
     nbytes: float = 0.0
+    runs_on: str = ""  # the lane whose resources it takes, when not its own (a CPU "device": every lane's work)
+
+    @property
+    def resource(self) -> str:
+        return self.runs_on or self.lane
 
 
 @dataclasses.dataclass
@@ -92,6 +101,24 @@ class SimResult:
                 k += 1
         return sum(e - s for s, e in merged) - covered
 
+    def lanes(self) -> list[str]:
+        """Lanes in display order: compute, its aux stream, the link, the CPU workers, the network."""
+        order = ("gpu", "gpu_aux", "h2d", "d2h", "cpu", "net")
+        return sorted(set(self.lane_of), key=lambda lane: (next((i for i, p in enumerate(order)
+                                                                   if lane.startswith(p)), len(order)), lane))
+
+    def chrome_trace(self, pid: int = chrome_trace.SIMULATED_PID) -> dict:
+        """The step in the Chrome trace event format (Perfetto, chrome://tracing): one complete event per task
+        on its lane's thread, times in microseconds from the step's start."""
+        lanes = self.lanes()
+        tid = {lane: i for i, lane in enumerate(lanes, start=1)}
+        events = chrome_trace.metadata(pid, f"simulated step ({self.schedule})", lanes)
+        for task, s, e in zip(self.tasks, self.start, self.end):
+            args = {**({"bytes": task.nbytes} if task.nbytes else {}), **({"runs_on": task.runs_on} if task.runs_on
+                                                                          else {})} or None
+            events.append(chrome_trace.complete(task.name, task.kind, s, e, pid, tid[task.lane], args))
+        return chrome_trace.trace(events)
+
     def bucket_times(self) -> dict[int, tuple[float, float]]:
         """bucket index -> (gradients ready or sent, optimizer step finished) in seconds from step start."""
         out: dict[int, list[float]] = {}
@@ -115,7 +142,7 @@ def replay(tasks: list[Task]) -> tuple[list[float], list[float]]:
     n = len(tasks)
     start = [0.0] * n
     end = [0.0] * n
-    shared = [t.lane.startswith(SHARED_LANES) for t in tasks]
+    shared = [t.resource.startswith(SHARED_LANES) for t in tasks]
     waiting = [len(t.deps) for t in tasks]
     users: list[list[int]] = [[] for _ in range(n)]
     for i, t in enumerate(tasks):
@@ -126,11 +153,11 @@ def replay(tasks: list[Task]) -> tuple[list[float], list[float]]:
     last_on: dict[str, int] = {}
     for i, t in enumerate(tasks):
         if not shared[i]:
-            prev = last_on.get(t.lane)
+            prev = last_on.get(t.resource)
             if prev is not None:
                 lane_next[prev] = i
                 waiting[i] += 1
-            last_on[t.lane] = i
+            last_on[t.resource] = i
     ready_at = [0.0] * n
     free: dict[str, float] = {}
     heap = [(0.0, i) for i in range(n) if waiting[i] == 0]
@@ -138,19 +165,19 @@ def replay(tasks: list[Task]) -> tuple[list[float], list[float]]:
     done = 0
     while heap:
         key, i = heapq.heappop(heap)
-        t0 = max(ready_at[i], free.get(tasks[i].lane, 0.0))
+        t0 = max(ready_at[i], free.get(tasks[i].resource, 0.0))
         if t0 > key:
             heapq.heappush(heap, (t0, i))
             continue
         t1 = t0 + tasks[i].duration
         start[i], end[i] = t0, t1
-        free[tasks[i].lane] = t1
+        free[tasks[i].resource] = t1
         done += 1
         for u in users[i] + ([lane_next[i]] if i in lane_next else []):
             ready_at[u] = max(ready_at[u], t1)
             waiting[u] -= 1
             if waiting[u] == 0:
-                heapq.heappush(heap, (max(ready_at[u], free.get(tasks[u].lane, 0.0)), u))
+                heapq.heappush(heap, (max(ready_at[u], free.get(tasks[u].resource, 0.0)), u))
     if done != n:
         raise ValueError("simulator: a task depends on a later one (cycle)")
     return start, end

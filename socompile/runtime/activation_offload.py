@@ -36,7 +36,7 @@ import itertools
 
 import torch
 
-from . import handles
+from . import handles, ranges
 from .device import DeviceRuntime
 from .events import EventLog
 from .memory import ACTIVATIONS, DeviceLedger, HostLedger
@@ -86,6 +86,7 @@ class ActivationOffloadRuntime:
         self.handle = handles.register(self)
 
     # ------------------------------------------------------------------------------------------ forward
+    @ranges.ranged(ranges.ACTIVATION_OFFLOAD)
     def offload(self, layer: str, t: torch.Tensor) -> torch.Tensor:
         self.ledger.set_phase("forward")
         nbytes = t.numel() * t.element_size()
@@ -125,6 +126,7 @@ class ActivationOffloadRuntime:
         self.events.record("fw_offloads_done")
 
     # ----------------------------------------------------------------------------------------- backward
+    @ranges.ranged(ranges.ACTIVATION_FETCH)
     def prefetch(self, layer: str, hosts: list[torch.Tensor]) -> None:
         self.ledger.set_phase("backward")
         self.events.record("bw_prefetch_activations")

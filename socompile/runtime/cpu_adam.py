@@ -12,6 +12,7 @@ import threading
 
 import torch
 
+from . import ranges
 from .flat_bucket import FlatBucket
 
 # The kernel's thread count is one process-wide setting (socompile_ext.KernelSettings). A bucket whose compiled
@@ -54,6 +55,7 @@ def _hyper(group: dict, step: int) -> dict:
                 weight_decay=float(group["weight_decay"]), decoupled=group.get("decoupled", True))
 
 
+@ranges.ranged(ranges.BUCKET_STEP, ranges.own_bucket)
 def step_bucket(bucket: FlatBucket, groups: list[dict], grad_scale: float = 1.0,
                 into_spare: bool = False, final: bool = False) -> tuple[float, bool]:
     """AdamW/Adam step of every segment of ``bucket`` that has a gradient, at step count ``steps[i] + 1``.

@@ -26,6 +26,7 @@ import contextlib
 
 import torch
 
+from . import ranges
 from .memory import ACCUMULATION, STAGING
 from .traffic import GRADIENTS, WEIGHT_UPLOAD
 
@@ -158,6 +159,7 @@ class HostMasterCopies:
             self.upload_event.synchronize()
             self.upload_event = None
 
+    @ranges.ranged(ranges.UPLOAD, ranges.own_bucket)
     def upload(self) -> None:
         """Make the device weights equal to the master cast to their dtype (round to nearest even), once the
         master is final. CPU build: a plain copy (none when the kernel already wrote the bf16 copy). CUDA: a
@@ -305,6 +307,7 @@ class HostMasterCopies:
         """Store a gradient for parameter i (copy, or add when accumulating micro-batches)."""
         self.receive_many([i], [grad], accumulate)
 
+    @ranges.ranged(ranges.GRAD_COPY, ranges.own_bucket)
     def receive_many(self, segments: list[int], grads: list[torch.Tensor], accumulate: bool) -> None:
         """Store gradients (copy, or add when accumulating and the segment already has one). A gradient on
         another device than ``grad`` (CUDA -> pinned host) is copied asynchronously on the runtime's "d2h"

@@ -18,7 +18,7 @@ import weakref
 import torch
 
 from ..dtypes import TORCH_DTYPES
-from . import handles
+from . import handles, ranges
 from .device import DeviceRuntime
 from .events import EventLog
 from ..plan.memory import device_cast_buckets
@@ -86,6 +86,7 @@ class OffloadRuntime:
     def numel(self, bucket: int) -> int:
         return self.buckets[bucket].master.numel()
 
+    @ranges.ranged(ranges.PREFETCH, lambda self, phase, bucket: bucket)
     def prefetch(self, phase: str, bucket: int) -> None:
         key = (phase, bucket)
         if key in self._inflight:
@@ -103,7 +104,8 @@ class OffloadRuntime:
 
         def copy():
             self.events.record("h2d_start", bucket)
-            dst.copy_(src)    # converts to the link dtype when the CPU casts (cast_site="cpu")
+            with ranges.named(ranges.PREFETCH_COPY, bucket):
+                dst.copy_(src)    # converts to the link dtype when the CPU casts (cast_site="cpu")
             self.events.record("h2d_end", bucket)
         done = self.h2d.submit(copy) if self.device.kind == "cpu" else self.device.copy_async(dst, src, self.h2d)
         self._inflight[key] = (dst, done)

@@ -1,6 +1,7 @@
 """A timeline of one real training step from the runtime's recorded events (EventLog), as SVG and as text.
 
     python -m socompile.tools.runtime_timeline --out docs/runtime_timeline.svg [--preset tiny --layers 2]
+        [--trace step.json]   (the measured step and the simulated one side by side, for Perfetto)
 
 Lanes are the threads that recorded events: the compute thread (forward and backward; flow waits and releases,
 gradient hand-offs), the ``h2d`` stream (weight copies) and the CPU optimizer worker (bucket steps). On this
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import html
 
+from ..perf import chrome_trace as chrome_trace_format
 from ..runtime.events import Event
 
 LANES = (("compute", "compute (graph)"), ("h2d", "h2d stream"), ("optimizer", "CPU optimizer"))
@@ -127,6 +129,40 @@ def record_step(preset: str = "tiny", layers: int = 2, batch: int = 8, seq: int 
     return opt.events.events(), backend.compiled[0]
 
 
+def chrome_trace(events: list[Event], pid: int = chrome_trace_format.MEASURED_PID) -> dict:
+    """Recorded events in the Chrome trace event format (Perfetto, chrome://tracing), one lane per thread that
+    recorded: each start/end pair of SPANS is one complete event (ph "X") on the thread of its start, every
+    other event an instant (ph "i"); times in microseconds from the first event. Every event appears once."""
+    if not events:
+        return chrome_trace_format.trace(chrome_trace_format.metadata(pid, "measured step", []))
+    t0 = min(e.t_ns for e in events)
+    threads = list(dict.fromkeys(e.thread for e in events))
+    tid = {name: i for i, name in enumerate(threads, start=1)}
+    ends = {end: start for start, (end, _, _) in SPANS.items()}
+    open_: dict[tuple[str, int], list[Event]] = {}
+    out = chrome_trace_format.metadata(pid, "measured step (opt.events)", threads)
+    placed: list[tuple[int, dict]] = []   # (position of the first event, trace event): kept in record order
+    for position, e in enumerate(events):
+        start_kind = ends.get(e.kind)
+        if e.kind in SPANS:
+            open_.setdefault((e.kind, e.bucket), []).append((position, e))
+        elif start_kind is not None and open_.get((start_kind, e.bucket)):
+            first, s = open_[(start_kind, e.bucket)].pop(0)
+            args = {"bucket": e.bucket} if e.bucket >= 0 else None
+            placed.append((first, chrome_trace_format.complete(start_kind[:-6], "runtime", (s.t_ns - t0) / 1e9,
+                                                               (e.t_ns - t0) / 1e9, pid, tid[s.thread], args)))
+        else:
+            placed.append((position, _instant(e, t0, pid, tid)))
+    for pending in open_.values():   # a start whose end was not recorded (yet): a moment
+        placed += [(position, _instant(e, t0, pid, tid)) for position, e in pending]
+    return chrome_trace_format.trace(out + [event for _, event in sorted(placed, key=lambda p: p[0])])
+
+
+def _instant(e: Event, t0: int, pid: int, tid: dict[str, int]) -> dict:
+    return chrome_trace_format.instant(e.kind, "runtime", (e.t_ns - t0) / 1e9, pid, tid[e.thread],
+                                       {"bucket": e.bucket} if e.bucket >= 0 else None)
+
+
 def text_summary(events: list[Event]) -> str:
     lines = [f"{'lane':10s} {'what':9s} {'bucket':>6s} {'start ms':>9s} {'end ms':>8s}"]
     for lane, kind, bucket, s, e in sorted(spans(events), key=lambda r: r[3]):
@@ -139,6 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="docs/runtime_timeline.svg")
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--trace", default=None, help="also write the step as a Chrome trace (JSON) here, with "
+                        "the simulated step of the same plan beside it")
     args = parser.parse_args(argv)
     events, ctx = record_step(args.preset, args.layers)
     title = (f"one step of {args.preset} ({args.layers} layers), {len(ctx.plan.buckets)} buckets, all on the CPU, "
@@ -147,6 +185,20 @@ def main(argv: list[str] | None = None) -> None:
         f.write(to_svg(events, title))
     print(text_summary(events))
     print(f"wrote {args.out}")
+    if args.trace:
+        chrome_trace_format.write(chrome_trace_format.merge(simulate_compiled(ctx).chrome_trace(),
+                                                                  chrome_trace(events)), args.trace)
+        print(f"wrote {args.trace}")
+
+
+def simulate_compiled(ctx, **kwargs):
+    """The simulated step (SimResult) of a compiled graph pair's plan, on the profile it was planned for."""
+    from ..perf.analysis import analyze
+    from ..perf.cost import CostModel
+    from ..perf.simulate import simulate
+    from ..plan import get_profile
+    cost = CostModel(get_profile(ctx.options.target), ctx.ir.symbol_values)
+    return simulate(ctx.plan, analyze(ctx.ir, cost), cost, **kwargs)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,185 @@
+"""Simulated vs measured step time on this machine, plan shape by plan shape.
+
+    python bench/sim_vs_real.py [--presets tiny,small] [--cases stationary,flow] [--steps 12] [--warmup 3]
+
+The "device" of a CPU-only build is this CPU (DESIGN section 5), so every plan shape the runtime supports runs
+here for real: the simulator replays each compiled plan on the ``this-machine`` profile (measured first by
+``socompile.hardware.calibrate``, as ``python -m socompile calibrate`` does) and the same compiled model trains
+for a few steps. Per case: the simulated step, the measured median (with min-max over the timed steps; warm-up
+steps, which compile, are excluded) and sim/real. The last line is ``sim/real: min X max Y``; the goal is every
+ratio within 0.8-1.25.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+import socompile
+from socompile.data import ByteBatches, stdlib_corpus
+from socompile.models import build
+from socompile.tools.runtime_timeline import simulate_compiled
+
+HYPER = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One plan shape: backend options, optimizer arguments and the model's dtype."""
+    name: str
+    options: dict
+    optimizer: dict = dataclasses.field(default_factory=dict)
+    dtype: torch.dtype = torch.float32
+
+
+CASES = (
+    Case("stationary", {"weight_mode": "stationary", "gpu_buckets": 0}),
+    Case("flow", {"weight_mode": "flow", "gpu_buckets": 0, "prefetch_distance": 1}),
+    Case("gpu buckets", {"weight_mode": "stationary", "gpu_buckets": 2}),
+    Case("separate master fp32", {"weight_mode": "stationary", "gpu_buckets": 0}, {"host_master": "separate"}),
+    Case("separate master bf16", {"weight_mode": "stationary", "gpu_buckets": 0}, dtype=torch.bfloat16),
+    Case("activation offload", {"weight_mode": "stationary", "gpu_buckets": 0, "activations": "offload"}),
+    Case("grad accumulation x2", {"weight_mode": "stationary", "gpu_buckets": 0}, {"grad_accumulation_steps": 2}),
+)
+BUCKET_SIZE = {"tiny": "256KB", "small": "1MB"}
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+@dataclasses.dataclass
+class Result:
+    case: str
+    preset: str
+    simulated: float
+    measured: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.measured)
+
+    @property
+    def ratio(self) -> float:
+        return self.simulated / self.median
+
+
+def calibrated_profile_path(directory: str, as_gpu: bool = False, clock: str = "wall") -> str:
+    """Measure this machine now, on the clock the steps are timed on, and write the profile file the plans
+    target (one profile for every case: the ratios compare the same model across shapes); the user's cached
+    ``this-machine`` profile is left alone. ``as_gpu``: the model before CPU-only builds were modelled (a
+    separate device, one FLOP rate for every dtype, no dispatch cost)."""
+    from socompile.hardware.calibrate import calibrate
+    from socompile.hardware.profiles import save_profile
+    profile = calibrate(quick=True, clock=CLOCKS[clock])   # the clock the steps are timed on
+    if as_gpu:
+        profile = dataclasses.replace(profile, device_is_host=False, device_fp32_flops=0.0, device_op_latency=0.0)
+    return str(save_profile(profile, os.path.join(directory, "this-machine.json")))
+
+
+def set_threads(threads: int) -> None:
+    """The compute's and the CPU Adam kernel's threads (calibration measures with the same)."""
+    torch.set_num_threads(threads)
+    import socompile_ext
+    socompile_ext.set_num_threads(threads)
+
+
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
+def simulated_step(ctx, micro_batches: int = 1) -> float:
+    """The simulator's step of a compiled graph pair's plan, on the profile it was planned for. With gradient
+    accumulation the step runs ``micro_batches`` forward/backward passes: the replayed step is the last one (its
+    gradients are stepped), each earlier one costs a forward and a backward (up to the backward's end: its
+    gradients are added into the buckets, not stepped)."""
+    sim = simulate_compiled(ctx)
+    return sim.step_time + (micro_batches - 1) * sim.backward_end
+
+
+def run_case(case: Case, preset: str, target: str, batches, warmup: int, compute: str = "inductor",
+             layers: int | None = None, clock: str = "wall") -> Result:
+    """Compile ``preset`` with the case's options, train on ``batches``; the step of each timed batch group."""
+    torch.manual_seed(0)
+    model = build(preset, **({"n_layers": layers} if layers else {})).to(case.dtype)
+    opt = socompile.AdamW(model.parameters(), **HYPER, **case.optimizer)
+    micro = opt.grad_accumulation_steps
+    backend = socompile.SuperOffload({"target": target, "bucket_size": BUCKET_SIZE.get(preset, "1MB"),
+                                      "compute": compute, **case.options})
+    cmodel = torch.compile(model, backend=backend)
+    times = []
+    now = CLOCKS[clock]
+    for i in range(0, len(batches) - micro + 1, micro):
+        start = now()
+        for x, y in batches[i:i + micro]:
+            F.cross_entropy(cmodel(x).flatten(0, 1).float(), y.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+        if i // micro >= warmup:
+            times.append(now() - start)
+    sim = simulated_step(backend.compiled[0], micro)
+    torch._dynamo.reset()
+    return Result(case.name, preset, sim, times)
+
+
+def format_row(r: Result) -> str:
+    return (f"{r.preset:6s} {r.case:22s} {r.simulated * 1e3:9.2f} {r.median * 1e3:9.2f} "
+            f"{f'({min(r.measured) * 1e3:.1f}-{max(r.measured) * 1e3:.1f})':>16s} {r.ratio:6.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--presets", default="tiny,small")
+    parser.add_argument("--cases", default=",".join(c.name for c in CASES),
+                        help="comma-separated case names (default: all)")
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per case")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile, caches)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--target", default=None, help="profile file to plan for (default: calibrate now)")
+    parser.add_argument("--compute", default="eager", choices=["inductor", "eager"],
+                        help="eager (default) runs one kernel per graph node, as the simulator charges them; "
+                        "inductor fuses nodes (fewer, larger kernels) and compiles for minutes")
+    parser.add_argument("--layers", type=int, default=None, help="override the presets' layer count")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="compute and CPU Adam threads")
+    parser.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
+                        help="wall: seconds per step; cpu: CPU seconds of this process per step (every thread), "
+                        "which with --threads 1 is the step of an idle machine even when others share the cores")
+    parser.add_argument("--as-gpu", action="store_true",
+                        help="simulate the device as a separate GPU (the model before CPU-only builds were modelled)")
+    args = parser.parse_args(argv)
+    chosen = [c for c in CASES if c.name in args.cases.split(",")]
+    unknown = set(args.cases.split(",")) - {c.name for c in CASES}
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(sorted(unknown))}; known: {', '.join(c.name for c in CASES)}")
+    set_threads(args.threads)
+    start_load = load_average()
+    source = f"from {args.target}" if args.target else "calibrated now"
+    print(f"batch {args.batch} x seq {args.seq}, compute {args.compute}, {args.threads} threads, {args.clock} clock, "
+          f"{args.steps} timed steps after {args.warmup} warm-up; profile {source}"
+          f"{' (as a separate GPU)' if args.as_gpu else ''}")
+    print(f"{'preset':6s} {'case':22s} {'sim ms':>9s} {'real ms':>9s} {'(min-max)':>16s} {'ratio':>6s}", flush=True)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        target = args.target or calibrated_profile_path(tmp, args.as_gpu, args.clock)
+        for preset in args.presets.split(","):
+            data = ByteBatches(stdlib_corpus(400_000), args.batch, args.seq, seed=0)
+            for case in chosen:
+                micro = case.optimizer.get("grad_accumulation_steps", 1)
+                batches = [next(data) for _ in range((args.warmup + args.steps) * micro)]
+                results.append(run_case(case, preset, target, batches, args.warmup, args.compute, args.layers,
+                                        args.clock))
+                print(format_row(results[-1]), flush=True)
+    print(f"# load average (1 min) at start {start_load:.2f}, at end {load_average():.2f} on {os.cpu_count()} CPUs: "
+          f"above ~0.5 other processes share the cores")
+    ratios = [r.ratio for r in results]
+    print(f"sim/real: min {min(ratios):.2f} max {max(ratios):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
