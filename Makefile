@@ -21,8 +21,11 @@ $(STAMP): setup.py pyproject.toml requirements-dev.txt $(EXT_SOURCES)
 demo: $(STAMP)
 	$(PY) -m socompile demo
 
+# Test processes (pytest-xdist); TEST_WORKERS=0 runs the suite in this process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
