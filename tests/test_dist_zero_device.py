@@ -82,8 +82,16 @@ def _planned(opt, world: int) -> dict:
     plans = [BucketPlan(index=b.index, params=(), numel=b.numel, grad_bytes=4 * b.numel, optimizer_site="cpu",
                         ready_after="", ready_position=0, cast_site="cpu", link_dtype=dtype_name(size))
              for b in opt.buckets]
+    from socompile.plan.plan import Plan
+    from socompile.plan.transfers import bucket_transfers
     books = host_buffers(plans, size, world, layout=HostLayout(pins=True))
-    return {"host": {k: v["pinned"] + v["pageable"] for k, v in books.items()}, "books": books,
+    plan = Plan(target="gh200", bucket_size=0, buckets=tuple(plans), unoptimized_params=(),
+                predicted=(("param_dtype_bytes", size),))
+    traffic: dict[str, int] = {}   # one step's link bytes per rank, as opt.traffic() keys them ("d2h/bfloat16/...")
+    for t in bucket_transfers(plan, world=world):
+        key = "/".join((t.direction, t.dtype, t.purpose))
+        traffic[key] = traffic.get(key, 0) + t.nbytes
+    return {"host": {k: v["pinned"] + v["pageable"] for k, v in books.items()}, "books": books, "traffic": traffic,
             "device": zero_device_bytes([b.numel for b in opt.buckets], world, size)}
 
 
@@ -156,7 +164,8 @@ def _worker(args: dict) -> dict:
            "d2h": sum(b.device_shard.d2h_bytes for b in opt.buckets if b.device_shard),
            "h2d": sum(b.device_shard.h2d_bytes for b in opt.buckets if b.device_shard),
            "device_ledger": opt.buckets[0].device_shard.pool.ledger.summary(),
-           "taken_steps": sum(not s for s in skipped)}
+           "taken_steps": sum(not s for s in skipped),
+           "traffic": {"/".join(k): v for k, v in opt.traffic().items()}}
     with opt.materialized_weights():
         weights = [p.detach().float().clone() for p in model.parameters()]
     out["weights_sum"] = [float(w.double().sum()) for w in weights]
@@ -266,6 +275,8 @@ def _check_memory_and_link(results: list[dict], link_bytes: int) -> None:
         steps = r["taken_steps"] + 1
         assert r["d2h"] == steps * link_bytes * sum(chunks), (r["d2h"], chunks)
         assert r["h2d"] == r["taken_steps"] * link_bytes * sum(chunks), (r["h2d"], chunks)
+        # the last step (taken) in the runtime's traffic ledger: the plan's one transfer list, byte for byte
+        assert r["traffic"] == planned["traffic"], (r["traffic"], planned["traffic"])
         ledger = r["device_ledger"]
         assert ledger["by_category"]["ZeRO shard buffers"] == planned["device"]["kept"], (ledger, planned)
         assert ledger["by_category"]["ZeRO gradient buffers"] == 0, "every flat gradient buffer freed after step()"

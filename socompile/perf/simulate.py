@@ -150,7 +150,8 @@ class _Step:
         # The bytes of every superoffload transfer, from the per-bucket list the runtime executes (one source)
         from ..plan.transfers import bucket_transfers   # here: socompile.plan imports this module
         self.transfers = {(t.bucket, t.purpose): t for t in bucket_transfers(plan, costs.param_numels or None,
-                                                                              weight_bytes=self.grad_size)}
+                                                                              weight_bytes=self.grad_size,
+                                                                              world=self.world)}
         self.offload_out: dict[str, int] = {}   # layer -> the task copying its saved tensors out
 
     def all_to_all(self, name: str, nbytes: float, deps) -> int:
@@ -357,7 +358,7 @@ class _Step:
         """The gradient shard to host memory. ZeRO-Offload (DeepSpeed stage 1/2 with offload_optimizer,
         async_inplace_copy_grad_to_fp32_buffer_from_gpu): each gradient is cast to fp32 on the GPU and copied
         into the fp32 host buffer as soon as it is reduced, during backward; the CPU Adam runs after backward."""
-        link_bytes = shard * 4 if self.baseline else self._transfer(bk, "gradients").nbytes / self.world
+        link_bytes = shard * 4 if self.baseline else self._transfer(bk, "gradients").nbytes   # one rank's
         deps = [ready]
         if link_bytes > shard * self.grad_size:   # upcast on the GPU before the copy
             deps = [self.b.add(f"upcast g b{bk.index}", "gpu_aux", self.cost.gpu_cast_time(shard, self.grad_size, 4),
@@ -391,7 +392,7 @@ class _Step:
             return b.add(f"upload b{bk.index}", "h2d", cost.transfer_time(shard * 2, "h2d"), [cast], "transfer",
                          shard * 2)
         upload = self._transfer(bk, "weight upload")
-        nbytes = upload.nbytes / self.world
+        nbytes = upload.nbytes   # one rank's (plan/transfers.py: a shard under ZeRO)
         up = b.add(f"upload b{bk.index}", "h2d", cost.transfer_time(nbytes, "h2d"), [adam], "transfer", nbytes)
         if dtype_bytes(upload.dtype) <= self.grad_size:   # crossed in the weights' dtype: nothing to cast
             return up

@@ -28,8 +28,8 @@ import dataclasses
 import sympy
 
 from ..dtypes import dtype_bytes
-from ..runtime.memory import (ACCUMULATION, ACTIVATIONS, HOST_PURPOSES, LANDING, MASTER, MOMENTS, SPARES,
-                              STAGING)
+from ..ledger_names import (ACCUMULATION, ACTIVATIONS, HOST_PURPOSES, LANDING, MASTER, MOMENTS, SPARES,
+                            STAGING)
 from .bucketize import ALIGN
 from .plan import BucketPlan
 

@@ -12,6 +12,12 @@ For each bucket of a plan (``bucket_transfers``):
                          ``param_link_dtype``, padded
     device-stepped buckets move nothing.
 
+ZeRO over ``world`` ranks (per rank): a stationary CPU-stepped bucket takes the device path
+(runtime/sharded_bucket.py): its gradients are reduced on the device and one shard of ceil(laid out / world)
+elements crosses, once per step (micro-batches accumulate on the device), in the weights' dtype; the updated shard
+goes up in the weights' dtype (bf16 cast on the host from the shard's stage). Flow buckets keep the host path
+(their whole gradients cross, each micro-batch, in fp32: the host reduce-scatter sums fp32).
+
 Activation offload adds, per offloaded layer and micro-batch, its saved tensors d2h in forward and h2d in backward
 (``activation_transfers``: bytes from the graph analysis, perf/analysis.py ``LayerCosts``).
 
@@ -23,12 +29,11 @@ from __future__ import annotations
 import dataclasses
 
 from ..dtypes import dtype_name
+from ..ledger_names import ACTIVATION_FETCH, ACTIVATION_OFFLOAD, FLOW_FETCH, GRADIENTS, WEIGHT_UPLOAD
 from ..options import OFFLOADED_CHOICES
 from .bucketize import ALIGN
 from .memory import device_cast_buckets, padded_numel
 
-GRADIENTS, WEIGHT_UPLOAD, FLOW_FETCH = "gradients", "weight upload", "flow fetch"
-ACTIVATION_OFFLOAD, ACTIVATION_FETCH = "activation offload", "activation fetch"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,17 +48,22 @@ class Transfer:
 
 
 def bucket_transfers(plan, param_numels: dict[str, int] | None = None, align: int = ALIGN,
-                     weight_bytes: int | None = None) -> list[Transfer]:
-    """The link transfers of each bucket of ``plan``. ``param_numels``: elements per parameter (the IR's), to
-    pad as the runtime lays buckets out; without them a bucket's padding is not known and is taken as none.
-    ``weight_bytes``: of the parameters (default: the plan's ``param_dtype_bytes``, else 4)."""
+                     weight_bytes: int | None = None, world: int | None = None) -> list[Transfer]:
+    """The link transfers of each bucket of ``plan`` (one rank's). ``param_numels``: elements per parameter
+    (the IR's), to pad as the runtime lays buckets out; without them a bucket's padding is not known and is taken
+    as none. ``weight_bytes``: of the parameters (default: the plan's ``param_dtype_bytes``, else 4). ``world``:
+    ZeRO ranks (default: the plan's dp x sp degrees)."""
     weight_bytes = weight_bytes or plan.prediction("param_dtype_bytes", 4)
+    world = world or plan_world(plan)
     device_cast = {b.index for b in device_cast_buckets(plan, weight_bytes)}
     out: list[Transfer] = []
     for b in plan.buckets:
         if b.optimizer_site != "cpu":
             continue
         laid_out = padded_numel([param_numels[p] for p in b.params], align) if param_numels else b.numel
+        if world > 1:
+            out += _zero_transfers(b, laid_out, weight_bytes, world)
+            continue
         grad = dtype_name(4) if b.link_dtype not in ("bfloat16", "float16") else b.link_dtype
         out.append(Transfer(b.index, "d2h", grad, GRADIENTS, b.numel * _bytes(grad), "micro-batch"))
         if b.weight_mode == "flow":
@@ -63,6 +73,23 @@ def bucket_transfers(plan, param_numels: dict[str, int] | None = None, align: in
         upload = "float32" if weight_bytes == 4 or b.index in device_cast else dtype_name(weight_bytes)
         out.append(Transfer(b.index, "h2d", upload, WEIGHT_UPLOAD, laid_out * _bytes(upload), "step"))
     return out
+
+
+def plan_world(plan) -> int:
+    """The ZeRO ranks of ``plan``: its dp x sp degrees (every rank of the world group holds a shard)."""
+    predicted = dict(plan.predicted)
+    return max(1, int(predicted.get("dp_degree", 1))) * max(1, int(predicted.get("sp_degree", 1)))
+
+
+def _zero_transfers(b, laid_out: int, weight_bytes: int, world: int) -> list[Transfer]:
+    """One rank's transfers of a CPU-stepped bucket under ZeRO (see the module doc)."""
+    if b.weight_mode == "flow":   # the host path: whole fp32 gradients each micro-batch, fetches as one process
+        return [Transfer(b.index, "d2h", "float32", GRADIENTS, b.numel * 4, "micro-batch"),
+                Transfer(b.index, "h2d", b.param_link_dtype, FLOW_FETCH, laid_out * _bytes(b.param_link_dtype), "use")]
+    shard = -(-laid_out // world)
+    weights = dtype_name(weight_bytes)
+    return [Transfer(b.index, "d2h", weights, GRADIENTS, shard * weight_bytes, "step"),
+            Transfer(b.index, "h2d", weights, WEIGHT_UPLOAD, shard * weight_bytes, "step")]
 
 
 def activation_transfers(plan, layers) -> list[Transfer]:

@@ -41,7 +41,7 @@ from ..plan.bucketize import ALIGN   # one layout fact for planner and runtime
 from .host_master import HostMasterCopies, flat_real
 from .memory import LANDING, MASTER, MOMENTS, SPARES
 from .traffic import TrafficLedger
-from .sharded_bucket import device_shard_eligible, narrow_to_device_shard
+from .sharded_bucket import device_shard_eligible, narrow_to_device_shard, shard_window  # noqa: F401 (re-export)
 
 
 def real_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -60,13 +60,6 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 def _round_up(n: int, k: int) -> int:
     return (n + k - 1) // k * k
 
-
-def shard_window(numel: int, rank: int, world: int) -> tuple[int, int]:
-    """Elements [lo, hi) of a bucket of ``numel`` that ``rank`` of ``world`` owns: equal chunks of
-    ceil(numel / world) (the reduce-scatter pads the bucket to world chunks); the last ones may be short or empty."""
-    chunk = -(-numel // world)
-    lo = min(rank * chunk, numel)
-    return lo, min(lo + chunk, numel)
 
 
 class FlatBucket(HostMasterCopies):

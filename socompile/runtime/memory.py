@@ -18,6 +18,9 @@ import itertools
 import threading
 import weakref
 
+from ..ledger_names import (ACCUMULATION, ACTIVATIONS, HOST_PURPOSES, LANDING, MASTER,  # noqa: F401
+                            MOMENTS, SPARES, STAGING)
+
 
 class DeviceLedger:
     def __init__(self):
@@ -71,17 +74,6 @@ class DeviceLedger:
         with self._lock:
             return {"current": self.current, "peak": self.peak, "peak_parts": dict(self.peak_parts),
                     "phase_peak": dict(self.phase_peak), "by_category": dict(self.by_category)}
-
-
-# Purposes of the host buffers the runtime allocates (HostLedger); plan/memory.py predicts the same names.
-MASTER = "fp32 master"
-MOMENTS = "Adam moments"
-SPARES = "ping-pong spares"
-LANDING = "gradient landing"
-ACCUMULATION = "gradient accumulation stage"
-STAGING = "bf16 staging copy"
-ACTIVATIONS = "offloaded activations"
-HOST_PURPOSES = (MASTER, MOMENTS, SPARES, LANDING, ACCUMULATION, STAGING, ACTIVATIONS)
 
 
 class HostLedger(DeviceLedger):

@@ -31,6 +31,15 @@ import torch
 
 from .host_master import flat_real
 from .memory import LANDING, MASTER, MOMENTS, STAGING
+from .traffic import GRADIENTS as GRADIENT_LINK, WEIGHT_UPLOAD
+
+
+def shard_window(numel: int, rank: int, world: int) -> tuple[int, int]:
+    """Elements [lo, hi) of a bucket of ``numel`` that ``rank`` of ``world`` owns: equal chunks of
+    ceil(numel / world) (the reduce-scatter pads the bucket to world chunks); the last ones may be short or empty."""
+    chunk = -(-numel // world)
+    lo = min(rank * chunk, numel)
+    return lo, min(lo + chunk, numel)
 
 
 def device_shard_eligible(bucket) -> bool:
@@ -164,6 +173,7 @@ class DeviceShard:
         self.shard_buffer.div_(self.world)   # gloo has no AVG; NCCL's would round the same way for W = 2^k
         rt = self.runtime
         bucket.grad_event = rt.copy_async(bucket.grad, self.shard_buffer, rt.stream("d2h"))
+        bucket.traffic.add_copy("d2h", GRADIENT_LINK, self.shard_buffer)   # opt.traffic(): plan/transfers.py counts it
         self.d2h_bytes += self.chunk * self.element_size
 
     # ------------------------------------------------------------------- weights
@@ -178,6 +188,7 @@ class DeviceShard:
             src = self.stage
         rt = self.runtime
         event = rt.copy_async(self.shard_buffer, src, rt.stream("h2d"))
+        bucket.traffic.add_copy("h2d", WEIGHT_UPLOAD, self.shard_buffer)
         self.h2d_bytes += self.chunk * self.element_size
         rt.wait_on_compute(event)
         bucket.upload_event, bucket._upload_waited = event, True
@@ -194,7 +205,6 @@ def narrow_to_device_shard(bucket, rank: int, world: int) -> None:
     """Cut ``bucket``'s host state to this rank's chunk and give it its device buffers (``DeviceShard``):
     master, moments and gradient landing buffer hold elements [lo, lo + chunk) of the bucket (zero past its
     end), and the device weights are padded to W chunks for the all-gather (parameters re-pointed into them)."""
-    from .flat_bucket import shard_window
     bucket.wait_upload_on_compute()
     bucket.before_host_write()
     bucket.wait_grads()

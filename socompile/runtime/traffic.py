@@ -18,12 +18,9 @@ import threading
 import torch
 
 from ..dtypes import TORCH_DTYPES
+from ..ledger_names import (ACTIVATION_FETCH, ACTIVATION_OFFLOAD, FLOW_FETCH, GRADIENTS,  # noqa: F401
+                            WEIGHT_UPLOAD)
 
-GRADIENTS = "gradients"
-WEIGHT_UPLOAD = "weight upload"
-FLOW_FETCH = "flow fetch"
-ACTIVATION_OFFLOAD = "activation offload"
-ACTIVATION_FETCH = "activation fetch"
 
 _NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 
