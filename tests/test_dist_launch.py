@@ -266,14 +266,7 @@ def test_the_documented_multi_node_command_has_the_shape_the_two_node_test_runs(
     assert documented[documented.index("examples/dist_train.py") + 1:] == ["--dp", "2", "--sp", "2"]
 
 
-def _budgeted(commands: list[str]) -> list:
-    """The --compile variant (~35 CPU-seconds, a compile on each rank) runs under -m slow: its path, Ulysses
-    through the superoffload compile, is in the default suite in tests/test_dist_ulysses.py and in the 2-node
-    job above; the eager variants run by default."""
-    return [pytest.param(c, marks=pytest.mark.slow) if "--compile" in c.split() else c for c in commands]
-
-
-@pytest.mark.parametrize("command", _budgeted(documented_torchrun_commands()))
+@pytest.mark.parametrize("command", documented_torchrun_commands())   # every one, --compile too
 def test_documented_torchrun_command_runs_and_prints_the_documented_first_loss(command):
     # As written, but on a free port and for 1 step: docs/distributed.md says every variant prints loss 5.5831
     # at step 1 (the same global batch, the same initial weights).

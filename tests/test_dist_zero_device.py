@@ -317,14 +317,12 @@ def test_device_zero_dp3_fp32_eager_pads_buckets_and_equals_torch():
     _check_memory_and_link(results, 4)
 
 
-@pytest.mark.slow
 def test_device_zero_dp2_fp32_eager_equals_torch():
     results = _results({"dtype": "float32"}, 2)
     _check_fp32(results)
     _check_memory_and_link(results, 4)
 
 
-@pytest.mark.slow
 def test_device_zero_dp3_bf16_eager_equals_one_process():
     results = _results({"dtype": "bfloat16"}, 3)
     _check_bf16(results)
@@ -332,7 +330,6 @@ def test_device_zero_dp3_bf16_eager_equals_one_process():
     _check_one_process_memory(results)
 
 
-@pytest.mark.slow
 def test_device_zero_with_ulysses_sp2_equals_torch():
     # dp 1 x sp 2: each rank sees half of every sequence; ZeRO shards over both (tests/test_dist_zero.py's NOTE)
     results = _results({"dtype": "float32", "sp": 2}, 2)
@@ -340,14 +337,12 @@ def test_device_zero_with_ulysses_sp2_equals_torch():
     _check_memory_and_link(results, 4)
 
 
-@pytest.mark.slow
 def test_device_zero_dp2_x_sp2_compiled_equals_torch():
     results = _results({"dtype": "float32", "sp": 2, "compile": True}, 4)
     _check_fp32(results)
     _check_memory_and_link(results, 4)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_device_zero_gradient_accumulation_equals_torch(compile):
     # 2 micro-batches per step on each rank, summed in the device buffer, reduced once per step
