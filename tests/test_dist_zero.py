@@ -69,9 +69,14 @@ def _zero_worker(args: dict) -> dict:
     gen = torch.Generator().manual_seed(1)
     skipped, norms, ref_norms = [], [], []
     for step in range(args["steps"]):
+        mine = slice(2 * topo.dp_rank, 2 * topo.dp_rank + 2)
+        if step == args.get("discard_step"):   # a backward the user throws away: zero_grad() without step()
+            junk = torch.randint(0, 256, (2 * topo.dp, 33), generator=gen)
+            jx, jy = (sd.shard_sequence(t[mine], topo.sp_group) for t in (junk[:, :-1], junk[:, 1:]))
+            F.cross_entropy(run(jx).flatten(0, 1), jy.flatten()).backward()
+            opt.zero_grad()
         tokens = torch.randint(0, 256, (2 * topo.dp, 33), generator=gen)   # 2 rows per rank
         x, y = tokens[:, :-1], tokens[:, 1:]
-        mine = slice(2 * topo.dp_rank, 2 * topo.dp_rank + 2)
         xs, ys = (sd.shard_sequence(t[mine], topo.sp_group) for t in (x, y))
         loss = F.cross_entropy(run(xs).flatten(0, 1), ys.flatten())
         nan_here = step == NAN_STEP and topo.rank == 1
@@ -155,6 +160,14 @@ def test_dp2_compiled_equals_one_process_with_clipping_and_speculation():
     # Gradients reach the optimizer inside the compiled backward, so the NaN is injected through rank 1's loss.
     r0, _ = _check({"compile": True, "clip": 0.5, "nan": "loss", "steps": 10})
     assert r0["speculation"]["steps"] == 10
+
+
+def test_zero_grad_without_step_discards_the_reductions_its_backward_started():
+    # Compiled: the reduce-scatters start inside backward. A backward thrown away with zero_grad() (an LR finder,
+    # a NaN loss the user skips) must not leave its buckets marked reduced: the next step reduces afresh, as the
+    # reference (which never saw the thrown-away batch) does.
+    r0, _ = _check({"compile": True, "clip": 0.5, "nan": "loss", "steps": NAN_STEP + 2, "discard_step": 1})
+    assert r0["comm"]["steps"] == NAN_STEP + 2
 
 
 def _mismatch_worker(args: dict) -> dict:

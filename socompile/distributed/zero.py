@@ -167,6 +167,16 @@ class ZeroSharding:
         bucket.grad[shard.lo:shard.hi].copy_(recv[:shard.hi - shard.lo])
         self._reduced.add(id(bucket))
 
+    def discard(self, buckets) -> None:
+        """zero_grad() without step(): the iteration's reductions are abandoned. Each reduce-scatter its backward
+        issued is waited for (every rank issued the same ones, and collectives complete in issue order) and
+        dropped with the device path's flat gradient buffer, so the next backward reduces afresh."""
+        for bucket in buckets:
+            self.finish_reduce(bucket)
+            if bucket.device_shard is not None:
+                bucket.device_shard.release_grads()
+        self._reduced.clear()
+
     def reduce_remaining(self, buckets) -> None:
         """In step(): reduce buckets whose gradients came from ``.grad`` (eager use), in bucket order."""
         for bucket in buckets:

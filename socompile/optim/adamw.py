@@ -572,6 +572,8 @@ class AdamW(torch.optim.Optimizer):
         undone (a step the user skipped: a NaN loss, an LR finder), and the next backward starts afresh."""
         self._check_not_taken_over()
         self._wait_pending()
+        if self._sharding is not None:   # ZeRO: reductions the discarded backward started are dropped too
+            self._sharding.discard(self.buckets)
         for bucket in self.buckets:
             self._discard_iteration(bucket)
             for p in bucket.params:
