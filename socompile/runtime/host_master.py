@@ -63,6 +63,19 @@ def flat_real(t: torch.Tensor) -> torch.Tensor:
     return (torch.view_as_real(t) if t.is_complex() else t).reshape(-1)
 
 
+def store_gradients(segment_of, has_grad: list[bool], segments: list[int], grads: list[torch.Tensor],
+                    accumulate: bool) -> None:
+    """Put each gradient into its flat segment (``segment_of(i)``), on the gradient's own device: a copy, or an
+    add when accumulating micro-batches and the segment already holds one; marks the segment as holding one."""
+    for i, g in zip(segments, grads):
+        dst = segment_of(i)
+        if accumulate and has_grad[i]:
+            dst.add_(flat_real(g))
+        else:
+            dst.copy_(flat_real(g))
+        has_grad[i] = True
+
+
 def upload_order(buckets: list) -> list:
     """Buckets in the order the next forward first reads them (``fw_rank``, set by passes/wait_uploads.py),
     then the others in reverse gradient order (the forward order of an eager model), so that the uploads
@@ -336,13 +349,7 @@ class HostMasterCopies:
             self._count_gradients(pairs)
             self.grad_event = self.runtime.copy_many_async(pairs, self.runtime.stream("d2h"))
             return
-        for i, g in zip(segments, grads):
-            dst = self.grad[self.segment(i)]
-            if accumulate and self.has_grad[i]:
-                dst.add_(flat_real(g))
-            else:
-                dst.copy_(flat_real(g))
-            self.has_grad[i] = True
+        store_gradients(lambda i: self.grad[self.segment(i)], self.has_grad, segments, grads, accumulate)
         if self.mirror and self.site == "cpu":   # the CPU build's host copy stands for the link the gradients cross
             self._count_gradients([(self.grad[self.segment(i)], None) for i in segments])
 

@@ -29,7 +29,7 @@ import threading
 
 import torch
 
-from .host_master import flat_real
+from .host_master import store_gradients
 from .memory import LANDING, MASTER, MOMENTS, STAGING
 from .traffic import GRADIENTS as GRADIENT_LINK, WEIGHT_UPLOAD
 
@@ -146,13 +146,7 @@ class DeviceShard:
             self.pool.settle(keep=1)   # at most one other flat buffer stays: the one being reduced
             self.grads = self.runtime.empty(self.padded, self.dtype).zero_()
             self.pool.ledger.alloc(GRADIENTS, id(self), self.grads.numel() * self.element_size)
-        for i, g in zip(segments, grads):
-            dst = self.grads[bucket.segment(i)]
-            if accumulate and bucket.has_grad[i]:
-                dst.add_(flat_real(g))
-            else:
-                dst.copy_(flat_real(g))
-            bucket.has_grad[i] = True
+        store_gradients(lambda i: self.grads[bucket.segment(i)], bucket.has_grad, segments, grads, accumulate)
 
     def wait_reduced(self) -> None:
         """Wait for the reduce-scatter in flight, from the CPU worker (to land it) or the training thread (to
