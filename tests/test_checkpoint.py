@@ -258,6 +258,30 @@ def _assert_untouched(model, opt):
     assert opt.state_dict()["state"] == {}
 
 
+def _assert_load_refused(path, error: type[Exception], match: str):
+    """Loading ``path`` into a fresh model and optimizer raises ``error`` matching ``match`` and changes
+    nothing; -> the fresh optimizer (for checks of its own load_state_dict)."""
+    fresh, fresh_opt = _fresh()
+    with pytest.raises(error, match=match):
+        socompile.load(path, fresh, fresh_opt)
+    _assert_untouched(fresh, fresh_opt)
+    return fresh_opt
+
+
+def _saved_with_wrong_state(tmp_path, corrupt):
+    """A tiny model after one step of torch.optim.AdamW whose state ``corrupt(model, opt)`` sets wrong before
+    the save (an intact file, checksums matching, wrong values); -> (path, model, opt)."""
+    model, _ = _fresh()
+    opt = torch.optim.AdamW(model.parameters(), **OPT)
+    _train(model, opt, batches(1))
+    corrupt(model, opt)
+    return socompile.save(tmp_path / "ckpt.pt", model, opt), model, opt
+
+
+def _state_of(model, opt, name: str) -> dict:
+    return opt.state[dict(model.named_parameters())[name]]
+
+
 def test_flipped_byte_inside_tensor_data_is_refused_naming_the_entry(tmp_path):
     path, model, opt = _trained(tmp_path, compiled=True)
     index = _index_of(model, "layers.0.attn.wk.weight")
@@ -267,58 +291,38 @@ def test_flipped_byte_inside_tensor_data_is_refused_naming_the_entry(tmp_path):
     assert start > 0
     raw[start + moment.numel() * 2 + 1] ^= 0x10   # one bit in the middle of this tensor's data
     path.write_bytes(bytes(raw))
-    fresh, fresh_opt = _fresh()
-    with pytest.raises(RuntimeError, match=rf"{path}.*optimizer\.state\[{index}\]\.exp_avg do not match the "
-                                           r"checksum.*Load an earlier checkpoint"):
-        socompile.load(path, fresh, fresh_opt)
-    _assert_untouched(fresh, fresh_opt)
+    _assert_load_refused(path, RuntimeError, rf"{path}.*optimizer\.state\[{index}\]\.exp_avg do not match the "
+                                             r"checksum.*Load an earlier checkpoint")
 
 
 def test_transposed_moment_is_refused_naming_the_entry_and_parameter(tmp_path):
-    model, _ = _fresh()
-    opt = torch.optim.AdamW(model.parameters(), **OPT)
-    _train(model, opt, batches(1))
-    p = dict(model.named_parameters())["layers.0.attn.wk.weight"]   # (64, 128): transposed has the same numel
-    opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].t().contiguous()
-    path = socompile.save(tmp_path / "ckpt.pt", model, opt)       # intact file, wrong state
+    def transpose(model, opt):   # wk is (64, 128): transposed has the same numel
+        state = _state_of(model, opt, "layers.0.attn.wk.weight")
+        state["exp_avg"] = state["exp_avg"].t().contiguous()
+    path, model, opt = _saved_with_wrong_state(tmp_path, transpose)
     index = _index_of(model, "layers.0.attn.wk.weight")
-    fresh, fresh_opt = _fresh()
-    with pytest.raises(ValueError, match=rf"{path}: state\[{index}\]\.exp_avg \(parameter "
-                                         r"'layers.0.attn.wk.weight'\) has shape \(128, 64\), its parameter "
-                                         r"\(64, 128\)"):
-        socompile.load(path, fresh, fresh_opt)
-    _assert_untouched(fresh, fresh_opt)
+    fresh_opt = _assert_load_refused(path, ValueError, rf"{path}: state\[{index}\]\.exp_avg \(parameter "
+                                                       r"'layers.0.attn.wk.weight'\) has shape \(128, 64\), its "
+                                                       r"parameter \(64, 128\)")
     with pytest.raises(ValueError, match=rf"state\[{index}\]\.exp_avg has shape"):   # the optimizer alone too
         fresh_opt.load_state_dict(opt.state_dict())
 
 
 def test_negative_exp_avg_sq_is_refused(tmp_path):
-    model, _ = _fresh()
-    opt = torch.optim.AdamW(model.parameters(), **OPT)
-    _train(model, opt, batches(1))
-    p = dict(model.named_parameters())["layers.0.attn.wq.weight"]
-    opt.state[p]["exp_avg_sq"][3, 5] = -1e-3    # would give NaN weights (sqrt of a negative) after one step
-    path = socompile.save(tmp_path / "ckpt.pt", model, opt)
+    def make_negative(model, opt):   # would give NaN weights (sqrt of a negative) after one step
+        _state_of(model, opt, "layers.0.attn.wq.weight")["exp_avg_sq"][3, 5] = -1e-3
+    path, model, _ = _saved_with_wrong_state(tmp_path, make_negative)
     index = _index_of(model, "layers.0.attn.wq.weight")
-    fresh, fresh_opt = _fresh()
-    with pytest.raises(ValueError, match=rf"{path}: state\[{index}\]\.exp_avg_sq \(parameter "
-                                         r"'layers.0.attn.wq.weight'\) has 1 negative element"):
-        socompile.load(path, fresh, fresh_opt)
-    _assert_untouched(fresh, fresh_opt)
+    _assert_load_refused(path, ValueError, rf"{path}: state\[{index}\]\.exp_avg_sq \(parameter "
+                                           r"'layers.0.attn.wq.weight'\) has 1 negative element")
 
 
 def test_nan_step_count_is_refused(tmp_path):
-    model, _ = _fresh()
-    opt = torch.optim.AdamW(model.parameters(), **OPT)
-    _train(model, opt, batches(1))
-    opt.state[next(iter(model.parameters()))]["step"].fill_(float("nan"))
-    path = socompile.save(tmp_path / "ckpt.pt", model, opt)
-    fresh, fresh_opt = _fresh()
-    with pytest.raises(ValueError, match=rf"{path}: state\[0\]\.step \(parameter 'tok_emb.weight'\) is "
-                                         r"nan; a step count must be a "
-                                         "non-negative integer"):
-        socompile.load(path, fresh, fresh_opt)
-    _assert_untouched(fresh, fresh_opt)
+    def make_nan(model, opt):
+        opt.state[next(iter(model.parameters()))]["step"].fill_(float("nan"))
+    path, _, _ = _saved_with_wrong_state(tmp_path, make_nan)
+    _assert_load_refused(path, ValueError, rf"{path}: state\[0\]\.step \(parameter 'tok_emb.weight'\) is "
+                                           r"nan; a step count must be a non-negative integer")
 
 
 @pytest.mark.parametrize("missing", ["model", "param_groups"])
@@ -327,10 +331,7 @@ def test_missing_entry_is_refused_as_an_incomplete_file(tmp_path, missing):
     data = torch.load(path, weights_only=True)
     del (data if missing == "model" else data["optimizer"])[missing]
     torch.save(data, path)
-    fresh, fresh_opt = _fresh()
-    with pytest.raises(RuntimeError, match=rf"checkpoint {path} is not complete: .*no '{missing}' entry"):
-        socompile.load(path, fresh, fresh_opt)
-    _assert_untouched(fresh, fresh_opt)
+    fresh_opt = _assert_load_refused(path, RuntimeError, rf"checkpoint {path} is not complete: .*no '{missing}' entry")
     if missing == "param_groups":   # the optimizer's own load_state_dict names it too (torch: KeyError)
         with pytest.raises(ValueError, match="has no 'param_groups' entry, so it is not a complete optimizer"):
             fresh_opt.load_state_dict(data["optimizer"])
@@ -354,10 +355,7 @@ def test_edited_file_does_not_pass_its_checksums(tmp_path, edit, message):
     else:   # the version says checksums, the file has none
         del data["checksums"]
     torch.save(data, path)
-    fresh, fresh_opt = _fresh()
-    with pytest.raises(RuntimeError, match=rf"checkpoint {path} .*{message}"):
-        socompile.load(path, fresh, fresh_opt)
-    _assert_untouched(fresh, fresh_opt)
+    _assert_load_refused(path, RuntimeError, rf"checkpoint {path} .*{message}")
 
 
 @pytest.mark.parametrize("other, message", [

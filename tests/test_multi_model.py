@@ -72,6 +72,15 @@ class Trained:
         assert_same_params(self.model, self.ref, atol=atol)
 
 
+def _train_each(pairs, data) -> None:
+    """Train every (model, optimizer) pair in ``pairs`` on each batch of ``data``, the pairs in turn."""
+    for x in data:
+        for model, opt in pairs:
+            _mlp_loss(model(x)).backward()
+            opt.step()
+            opt.zero_grad()
+
+
 def _backend(**options):
     return socompile.SuperOffload({"compute": "eager", "gpu_buckets": 0, **options})
 
@@ -194,11 +203,7 @@ def test_newer_optimizer_over_the_same_parameters_trains_like_torch():
     first = socompile.AdamW(model.parameters(), **OPT)
     second = socompile.AdamW(model.parameters(), **OPT)
     ref_opt = torch.optim.AdamW(ref.parameters(), **OPT)
-    for x in _mlp_data(3):
-        for m, opt in ((model, second), (ref, ref_opt)):
-            _mlp_loss(m(x)).backward()
-            opt.step()
-            opt.zero_grad()
+    _train_each([(model, second), (ref, ref_opt)], _mlp_data(3))
     assert_same_params(model, ref)
     with pytest.raises(RuntimeError, match="taken over by a newer socompile.AdamW.*Use the new optimizer"):
         first.step()
@@ -215,11 +220,7 @@ def test_a_param_group_added_from_another_optimizer_takes_its_parameters_over():
     second.add_param_group({"params": list(model.fc2.parameters())})
     ref_opt = torch.optim.AdamW(ref.fc1.parameters(), **OPT)
     ref_opt.add_param_group({"params": list(ref.fc2.parameters())})
-    for x in _mlp_data(2):
-        for m, opt in ((model, second), (ref, ref_opt)):
-            _mlp_loss(m(x)).backward()
-            opt.step()
-            opt.zero_grad()
+    _train_each([(model, second), (ref, ref_opt)], _mlp_data(2))
     assert_same_params(model, ref)
     with pytest.raises(RuntimeError, match="taken over by a newer socompile.AdamW"):
         first.step()
@@ -233,10 +234,7 @@ def test_optimizer_deleted_then_built_again_gets_the_gradients():
     opt, ref_opt = socompile.AdamW(model.parameters(), **OPT), torch.optim.AdamW(ref.parameters(), **OPT)
     cmodel = torch.compile(model, backend="superoffload", options={"compute": "eager", "gpu_buckets": 0})
     first, second = _mlp_data(2)
-    for m, o in ((cmodel, opt), (ref, ref_opt)):
-        _mlp_loss(m(first)).backward()
-        o.step()
-        o.zero_grad()
+    _train_each([(cmodel, opt), (ref, ref_opt)], [first])
     del opt
     gc.collect()
     with pytest.raises(RuntimeError, match="optimizer that this compiled graph was planned for was deleted. "
@@ -244,7 +242,5 @@ def test_optimizer_deleted_then_built_again_gets_the_gradients():
         _mlp_loss(cmodel(second)).backward()
     model.zero_grad()
     opt, ref_opt = socompile.AdamW(model.parameters(), **OPT), torch.optim.AdamW(ref.parameters(), **OPT)
-    for m, o in ((cmodel, opt), (ref, ref_opt)):
-        _mlp_loss(m(second)).backward()
-        o.step()
+    _train_each([(cmodel, opt), (ref, ref_opt)], [second])
     assert_same_params(model, ref)

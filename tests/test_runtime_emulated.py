@@ -110,23 +110,25 @@ def test_a_source_rewritten_before_its_copy_ran_is_a_hazard_naming_stream_tensor
         api.check()
 
 
-def test_memory_released_while_a_copy_is_queued_is_a_hazard():
+def _release(dst):     # e.g. a flow bucket's weights freed too early
+    dst.untyped_storage().resize_(0)
+
+
+def _overwrite(dst):   # the compute stream wrote it without waiting
+    dst.zero_()
+
+
+@pytest.mark.parametrize("misuse, message", [
+    (_release, "released while the copy was still queued"),
+    (_overwrite, "written before the copy into it landed"),
+], ids=["memory-released-while-the-copy-is-queued", "destination-written-before-the-copy-landed"])
+def test_a_copy_destination_touched_before_the_copy_landed_is_a_hazard(misuse, message):
     rt, api = slow()
-    weights = rt.empty(128, torch.float32)
+    dst = rt.empty(128, torch.float32)
     host = rt.host_buffer(128, torch.float32)
-    done = rt.copy_async(weights, host, rt.stream("h2d"))
-    weights.untyped_storage().resize_(0)              # e.g. a flow bucket's weights freed too early
-    with pytest.raises(EmulatedHazard, match="released while the copy was still queued"):
-        done.synchronize()
-
-
-def test_a_destination_written_before_its_copy_landed_is_a_hazard():
-    rt, api = slow()
-    dst = rt.empty(16, torch.float32)
-    host = rt.host_buffer(16, torch.float32)
     done = rt.copy_async(dst, host, rt.stream("h2d"))
-    dst.zero_()                                       # the compute stream wrote it without waiting
-    with pytest.raises(EmulatedHazard, match="written before the copy into it landed"):
+    misuse(dst)
+    with pytest.raises(EmulatedHazard, match=message):
         done.synchronize()
 
 
