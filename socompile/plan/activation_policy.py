@@ -364,49 +364,58 @@ def _names_text(names: list[str]) -> str:
     return f"{prefix}." + ",".join(runs)
 
 
+def _offload_reason(group, ctx, lcosts: _LayerCosts, room, forced) -> str:
+    lc = max(group, key=lambda x: x.saved)   # the largest layer: its link times are the longest
+    out_t, in_t, hide_fw, hide_bw = lcosts.link[lc.name]
+    return (f"{human_bytes(lc.saved)} each way per layer, {out_t * 1e3:.1f} ms out under {hide_fw * 1e3:.1f} ms "
+            f"of forward, {in_t * 1e3:.1f} ms in under {hide_bw * 1e3:.1f} ms of backward: "
+            f"{lcosts.offload[lc.name] * 1e3:.1f} ms exposed vs {lcosts.recompute[lc.name] * 1e3:.1f} ms to "
+            f"recompute; {human_bytes(ctx.offloaded_bytes)} pinned host memory of {human_bytes(room)} free")
+
+
+def _selective_reason(group, ctx, lcosts: _LayerCosts, room, forced) -> str:
+    lc = group[0]
+    return (f"+{lcosts.selective[lc.name] * 1e3:.1f} ms each in backward instead of "
+            f"{lcosts.recompute[lc.name] * 1e3:.1f} ms (attention {lc.attention_time * 1e3:.1f} ms not re-run), "
+            f"keeps {human_bytes(lc.boundary + lc.attention_saved)}: input and attention outputs"
+            f"{'; options.activations=' + repr(forced) if forced == 'selective' else ''}")
+
+
+def _selective_offload_reason(group, ctx, lcosts: _LayerCosts, room, forced) -> str:
+    lc = group[0]
+    ck = _checkpoint_bytes(lc)
+    return (f"as selective, its {human_bytes(ck)} of checkpoints (output, attention outputs) in host memory, "
+            f"+{lcosts.selective_offload[lc.name] * 1e3:.1f} ms each in backward with the link time not hidden; "
+            f"{human_bytes(ctx.offloaded_bytes)} pinned host memory of {human_bytes(room)} free")
+
+
+def _recompute_reason(group, ctx, lcosts: _LayerCosts, room, forced) -> str:
+    lc = group[0]
+    rec, off, sel = lcosts.recompute[lc.name], lcosts.offload[lc.name], lcosts.selective[lc.name]
+    why = ("options.activations='recompute'" if forced == "recompute" else
+           "host memory for offload used up" if off < rec and room < lc.saved + ctx.offloaded_bytes else
+           f"offload is cheaper but its two-layer window ({human_bytes(2 * lc.saved)}) does not fit the device "
+           f"beside the other layers' inputs" if off < rec else
+           f"offload would expose {off * 1e3:.1f} ms > {rec * 1e3:.1f} ms")
+    if forced == "auto" and sel < rec:
+        why += f"; selective would keep {human_bytes(lc.attention_saved)} more per layer, which does not fit"
+    return f"+{rec * 1e3:.1f} ms each in backward, keeps {human_bytes(lc.boundary)} input; {why}"
+
+
+# Each choice but keep, in the order the decision line lists them, and what it says of the layers taking it.
+_CHOICE_REASONS = (("offload", _offload_reason), ("selective", _selective_reason),
+                   ("selective_offload", _selective_offload_reason), ("recompute", _recompute_reason))
+
+
 def _activation_line(ctx, layers, chosen, lcosts: _LayerCosts, available, room, forced) -> str:
-    rec_cost, sel_cost, ck_cost, off_cost = (lcosts.recompute, lcosts.selective, lcosts.selective_offload,
-                                             lcosts.offload)
     groups = {c: [lc for lc in layers if chosen[lc.name] == c]
               for c in ("keep", "offload", "selective", "selective_offload", "recompute")}
-
-    def head(choice: str) -> str:
-        """'offload 11 (layers.0..10': the choice, how many layers take it and which (the caller closes it)."""
-        return f"{choice} {len(groups[choice])} ({_names_text([x.name for x in groups[choice]])}"
-
     parts = [f"keep {len(groups['keep'])} of {len(layers)} ({_names_text([lc.name for lc in groups['keep']])})"]
-    if groups["offload"]:
-        lc = max(groups["offload"], key=lambda x: x.saved)
-        out_t, in_t, hide_fw, hide_bw = lcosts.link[lc.name]
-        parts.append(f"{head('offload')}: {human_bytes(lc.saved)} each way per layer, {out_t * 1e3:.1f} ms out "
-                     f"under {hide_fw * 1e3:.1f} ms of forward, {in_t * 1e3:.1f} ms in under {hide_bw * 1e3:.1f} ms of "
-                     f"backward: {off_cost[lc.name] * 1e3:.1f} ms exposed vs {rec_cost[lc.name] * 1e3:.1f} ms to "
-                     f"recompute; {human_bytes(ctx.offloaded_bytes)} pinned host memory of {human_bytes(room)} free)")
-    if groups["selective"]:
-        lc = groups["selective"][0]
-        parts.append(f"{head('selective')}: +{sel_cost[lc.name] * 1e3:.1f} ms each in backward instead of "
-                     f"{rec_cost[lc.name] * 1e3:.1f} ms (attention {lc.attention_time * 1e3:.1f} ms not re-run), keeps "
-                     f"{human_bytes(lc.boundary + lc.attention_saved)}: input and attention outputs"
-                     f"{'; options.activations=' + repr(forced) if forced == 'selective' else ''})")
-    if groups["selective_offload"]:
-        lc = groups["selective_offload"][0]
-        ck = _checkpoint_bytes(lc)
-        parts.append(f"{head('selective_offload')}: as selective, its {human_bytes(ck)} of checkpoints (output, "
-                     f"attention outputs) in host memory, +{ck_cost[lc.name] * 1e3:.1f} ms each in backward with the "
-                     f"link time not hidden; {human_bytes(ctx.offloaded_bytes)} pinned host memory of "
-                     f"{human_bytes(room)} free)")
-    if groups["recompute"]:
-        lc = groups["recompute"][0]
-        why = ("options.activations='recompute'" if forced == "recompute" else
-               "host memory for offload used up" if off_cost[lc.name] < rec_cost[lc.name] and room < lc.saved
-               + ctx.offloaded_bytes else
-               f"offload is cheaper but its two-layer window ({human_bytes(2 * lc.saved)}) does not fit the device "
-               f"beside the other layers' inputs" if off_cost[lc.name] < rec_cost[lc.name] else
-               f"offload would expose {off_cost[lc.name] * 1e3:.1f} ms > {rec_cost[lc.name] * 1e3:.1f} ms")
-        if forced == "auto" and sel_cost[lc.name] < rec_cost[lc.name]:
-            why += (f"; selective would keep {human_bytes(lc.attention_saved)} more per layer, which does not fit")
-        parts.append(f"{head('recompute')}: +{rec_cost[lc.name] * 1e3:.1f} ms each in backward, keeps "
-                     f"{human_bytes(lc.boundary)} input; {why})")
+    for choice, reason in _CHOICE_REASONS:
+        group = groups[choice]
+        if group:   # 'offload 11 (layers.0..10: why)': the choice, how many layers take it, which, and why
+            parts.append(f"{choice} {len(group)} ({_names_text([lc.name for lc in group])}: "
+                         f"{reason(group, ctx, lcosts, room, forced)})")
     source = "pinned by the caller" if forced == "pinned" else f"options.activations={forced!r}" if forced != "auto" else (
         f"auto: all-keep needs {human_bytes(ctx.costs.activation_peak)}, {human_bytes(available)} left for "
         f"activations with every weight streamed")
