@@ -20,10 +20,8 @@ import os
 import pathlib
 import statistics
 import sys
-import time
 
 import torch
-import torch.nn.functional as F
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -31,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 import socompile  # noqa: E402
 from socompile.data import ByteBatches, stdlib_corpus  # noqa: E402
 from socompile.models import build  # noqa: E402
+from bench.step_cpu import timed_rounds, warm_up  # noqa: E402
 
 BUCKET_SIZES = {"tiny": "1MB", "small": "4MB"}   # a handful of buckets each: every K is one compile
 TOLERANCE = 1.05   # the planner's K passes within 5% of the best measured K's median
@@ -45,12 +44,6 @@ def make(preset: str, gpu_buckets: int | None, bucket_size: str):
     return torch.compile(model, backend=backend), opt, backend
 
 
-def train_step(model, opt, x, y) -> None:
-    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-    opt.step()
-    opt.zero_grad()
-
-
 def planned(backend) -> tuple[int, int, float]:
     """(GPU buckets, buckets, simulated step seconds) of the plan a compiled config runs."""
     if not backend.compiled:
@@ -63,22 +56,14 @@ def planned(backend) -> tuple[int, int, float]:
 def measure_preset(preset: str, args, batches) -> dict:
     bucket_size = BUCKET_SIZES.get(preset, "1MB")
     configs = {"auto": make(preset, None, bucket_size)}
-    for x, y in batches[:args.warmup]:   # compiles, and tells the planner's K and the bucket count
-        train_step(*configs["auto"][:2], x, y)
+    warm_up(configs, batches[:args.warmup])   # compiles, and tells the planner's K and the bucket count
     k_auto, n, _ = planned(configs["auto"][2])
     for k in range(n + 1):
         if k == k_auto:
             continue
         configs[k] = make(preset, k, bucket_size)
-        for x, y in batches[:args.warmup]:
-            train_step(*configs[k][:2], x, y)
-    times: dict = {key: [] for key in configs}
-    for _ in range(args.rounds):
-        for key, (model, opt, _) in configs.items():
-            for x, y in batches[args.warmup:]:
-                start = time.perf_counter()
-                train_step(model, opt, x, y)
-                times[key].append(time.perf_counter() - start)
+        warm_up({k: configs[k]}, batches[:args.warmup])
+    times = timed_rounds(configs, batches[args.warmup:], args.rounds)
     per_k = {}
     for key, (_, _, backend) in configs.items():
         k, _, simulated = planned(backend)

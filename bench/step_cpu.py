@@ -55,10 +55,30 @@ def device_columns(backend) -> tuple[str, str]:
     return f"{peak / 1e6:.2f}", f"{streamed / 1e6:.2f}"
 
 
-def step(model, opt, x, y) -> None:
+def train_step(model, opt, x, y) -> None:
     F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
     opt.step()
     opt.zero_grad()
+
+
+def warm_up(setups: dict, batches) -> None:
+    """Untimed steps of every configuration ((model, optimizer, ...) per key): compiles, first touches."""
+    for model, opt, *_ in setups.values():
+        for x, y in batches:
+            train_step(model, opt, x, y)
+
+
+def timed_rounds(setups: dict, batches, rounds: int) -> dict:
+    """Seconds of each step per configuration key. The configurations take turns, every batch each per round,
+    so a drift of the (shared) machine's load falls on all of them alike."""
+    times: dict = {key: [] for key in setups}
+    for _ in range(rounds):
+        for key, (model, opt, *_) in setups.items():
+            for x, y in batches:
+                start = time.perf_counter()
+                train_step(model, opt, x, y)
+                times[key].append(time.perf_counter() - start)
+    return times
 
 
 def main() -> None:
@@ -73,16 +93,8 @@ def main() -> None:
     data = ByteBatches(stdlib_corpus(), args.batch, args.seq, seed=0)
     batches = [next(data) for _ in range(args.warmup + args.steps)]
     setups = {name: make_config(name, args.preset) for name in CONFIGS}
-    times: dict[str, list[float]] = {name: [] for name in CONFIGS}
-    for name, (model, opt, _) in setups.items():  # compile and warm up
-        for x, y in batches[:args.warmup]:
-            step(model, opt, x, y)
-    for _ in range(args.rounds):
-        for name, (model, opt, _) in setups.items():
-            for x, y in batches[args.warmup:]:
-                start = time.perf_counter()
-                step(model, opt, x, y)
-                times[name].append(time.perf_counter() - start)
+    warm_up(setups, batches[:args.warmup])
+    times = timed_rounds(setups, batches[args.warmup:], args.rounds)
     anchor = statistics.median(times["inductor + AdamW(fused)"])
     print(f"preset {args.preset}, batch {args.batch} x seq {args.seq}, {torch.get_num_threads()} threads, "
           f"{args.rounds} rounds x {args.steps} steps")
