@@ -1,7 +1,7 @@
 """Planning time and peak RSS: 7B/13B/25B presets, and 8/16/32/64 layers of one width (each in a fresh process).
 
     python bench/plan_time.py [--quick]     # --quick: 8/16/32 layers of llama-1b width only
-Plans trace 4 blocks and repeat one (capture/fold.py); the 7B rows also time tracing every block, side by side.
+Plans trace 4 blocks and repeat one (capture/fold/); the 7B rows also time tracing every block, side by side.
 Goals (issue 4): 7B <= 15 s, 25B <= 45 s, < 2 GB RSS, time growing no faster than linearly in layers.
 """
 from __future__ import annotations

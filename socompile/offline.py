@@ -37,7 +37,7 @@ def plan_model(model: str | Callable[[], torch.nn.Module], batch: int = 4, seq: 
     dtype: cast the model first (e.g. torch.bfloat16 to plan mixed-precision GPU training; the CPU trains fp32).
     symbolic: trace batch and sequence as symbols, so sizes in the plan are formulas of ``batch`` and ``seq``
     (slower to trace: about 3x on a 7B model).
-    fold: trace 4 of a deep model's identical blocks and repeat one in the graphs (capture/fold.py); the plan is
+    fold: trace 4 of a deep model's identical blocks and repeat one in the graphs (capture/fold/); the plan is
     the same as with every block traced, several times sooner. False traces every block.
     """
     from .capture.trace import trace_training_graphs

@@ -1,4 +1,4 @@
-"""Folded tracing (capture/fold.py): four traced blocks, block 2 repeated, must give the graphs and the plan of
+"""Folded tracing (capture/fold/): four traced blocks, block 2 repeated, must give the graphs and the plan of
 tracing every block; models whose blocks do not repeat must be traced whole."""
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from socompile.capture import fold
+from socompile.capture.fold.order import expand_order
 from socompile.models.llama import PRESETS, build
 from socompile.offline import plan_model
 
@@ -136,15 +137,15 @@ def test_a_plain_stack_folds_to_the_full_trace():
 
 def test_expand_order_places_copies_between_slots_2_and_3():
     up = [None, 0, 0, 1, 1, 2, 2, 3, 3, None]
-    order = fold._expand_order(up, [3, 4], "test")
+    order = expand_order(up, [3, 4], "test")
     assert [c for _, c in order] == [None] * 7 + [3, 3, 4, 4] + [None] * 3
     assert [p for p, _ in order][5:11] == [5, 6, 5, 6, 5, 6]
     down = [3, 2, 2, 1, 1, 0]
-    order = fold._expand_order(down, [3, 4], "test")
+    order = expand_order(down, [3, 4], "test")
     assert order == [(0, None), (1, 4), (2, 4), (1, 3), (2, 3), (1, None), (2, None), (3, None), (4, None),
                      (5, None)]
     with pytest.raises(fold.FoldError):
-        fold._expand_order([1, 1, 2, None, 2, 3], [3], "test")     # slot 2 split where slot 1 is not
+        expand_order([1, 1, 2, None, 2, 3], [3], "test")     # slot 2 split where slot 1 is not
 
 
 def test_an_error_inside_a_folded_block_is_the_error_the_user_sees():

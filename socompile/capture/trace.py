@@ -28,7 +28,7 @@ def trace_training_graphs(model: nn.Module, inputs: tuple, targets: tuple, loss_
                           fold: bool = True) -> tuple[fx.GraphModule, fx.GraphModule, list[ParamInfo]]:
     """Forward and backward graphs of ``loss_fn(model(*inputs), *targets)`` as AOTAutograd partitions them.
 
-    fold: trace four of a deep model's identical blocks and repeat one of them in the graphs (capture/fold.py):
+    fold: trace four of a deep model's identical blocks and repeat one of them in the graphs (capture/fold/):
     the same graphs, several times faster. Models that do not repeat cleanly are traced whole."""
     named = dict(model.named_parameters())  # tied weights appear once, as in Dynamo's inputs
     infos = [describe(i, name, p, optimized=p.requires_grad) for i, (name, p) in enumerate(named.items())]
