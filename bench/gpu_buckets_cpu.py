@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 import socompile  # noqa: E402
 from socompile.data import ByteBatches, stdlib_corpus  # noqa: E402
 from socompile.models import build  # noqa: E402
-from bench.step_cpu import timed_rounds, warm_up  # noqa: E402
+from bench.step_cpu import add_timing_arguments, timed_rounds, warm_up  # noqa: E402
 
 BUCKET_SIZES = {"tiny": "1MB", "small": "4MB"}   # a handful of buckets each: every K is one compile
 TOLERANCE = 1.05   # the planner's K passes within 5% of the best measured K's median
@@ -99,11 +99,7 @@ def verdict(r: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--presets", default="tiny,small")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per configuration per round")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile, first-touch)")
+    add_timing_arguments(parser, steps=6, warmup=3)
     parser.add_argument("--record", default="", help="write the results as JSON (bench/results/gpu_buckets_cpu.json)")
     args = parser.parse_args()
     # every K compiles the same forward again with its own backend: past Dynamo's recompile limit (8) the

@@ -55,6 +55,15 @@ def device_columns(backend) -> tuple[str, str]:
     return f"{peak / 1e6:.2f}", f"{streamed / 1e6:.2f}"
 
 
+def add_timing_arguments(parser: argparse.ArgumentParser, steps: int, warmup: int) -> None:
+    """The options of warm_up and timed_rounds: batch shape, timed steps per round, rounds, untimed steps."""
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=steps, help="timed steps per configuration per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=warmup, help="untimed steps first (compile, first-touch)")
+
+
 def train_step(model, opt, x, y) -> None:
     F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
     opt.step()
@@ -84,11 +93,7 @@ def timed_rounds(setups: dict, batches, rounds: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=40, help="timed steps per configuration per round")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=5)
+    add_timing_arguments(parser, steps=40, warmup=5)
     args = parser.parse_args()
     data = ByteBatches(stdlib_corpus(), args.batch, args.seq, seed=0)
     batches = [next(data) for _ in range(args.warmup + args.steps)]

@@ -268,6 +268,15 @@ def _assert_load_refused(path, error: type[Exception], match: str):
     return fresh_opt
 
 
+def _assert_loads_as_saved(load, path, model, opt):
+    """``load`` (socompile.load, or a sharded checkpoint's load) of a file saved after two steps gives a fresh
+    model and optimizer the step count, weights and optimizer state that were saved, bit for bit."""
+    fresh, fresh_opt = _fresh()
+    assert load(path, fresh, fresh_opt) == {"step": 2}
+    assert_same_params(fresh, model, atol=0, rtol=0)
+    _assert_states_equal(fresh_opt.state_dict(), opt.state_dict())
+
+
 def _saved_with_wrong_state(tmp_path, corrupt):
     """A tiny model after one step of torch.optim.AdamW whose state ``corrupt(model, opt)`` sets wrong before
     the save (an intact file, checksums matching, wrong values); -> (path, model, opt)."""
@@ -421,12 +430,9 @@ def test_checkpoint_without_checksums_loads_with_a_warning(tmp_path, caplog):
     del data["checksums"]
     data["version"] = 1
     torch.save(data, path)
-    fresh, fresh_opt = _fresh()
     with caplog.at_level("WARNING", logger="socompile"):
-        assert socompile.load(path, fresh, fresh_opt) == {"step": 2}
+        _assert_loads_as_saved(socompile.load, path, model, opt)
     assert f"checkpoint {path} was written by an older socompile without checksums" in caplog.text
-    assert_same_params(fresh, model, atol=0, rtol=0)
-    _assert_states_equal(fresh_opt.state_dict(), opt.state_dict())
 
 
 def test_checksums_cover_every_tensor_and_a_good_file_round_trips_exactly(tmp_path):
@@ -436,10 +442,7 @@ def test_checksums_cover_every_tensor_and_a_good_file_round_trips_exactly(tmp_pa
     assert {f"model.{n}" for n in model.state_dict()} <= names
     assert {f"optimizer.state[{k}].{key}" for k in opt.state_dict()["state"]
             for key in ("step", "exp_avg", "exp_avg_sq")} <= names
-    fresh, fresh_opt = _fresh()
-    assert socompile.load(path, fresh, fresh_opt) == {"step": 2}
-    assert_same_params(fresh, model, atol=0, rtol=0)
-    _assert_states_equal(fresh_opt.state_dict(), opt.state_dict())
+    _assert_loads_as_saved(socompile.load, path, model, opt)
 
 
 def _sharded_saved(tmp_path):
@@ -465,10 +468,7 @@ def test_sharded_checkpoint_with_a_flipped_byte_is_refused_naming_the_entry(tmp_
                                            rf"optim\.state\.{index}\.exp_avg_sq@0 do not match the checksum"):
         sd.load(path, *_fresh())
     sd.save(path, model, opt, step=2)   # written again: it loads, and equals what was saved
-    fresh, fresh_opt = _fresh()
-    assert sd.load(path, fresh, fresh_opt) == {"step": 2}
-    assert_same_params(fresh, model, atol=0, rtol=0)
-    _assert_states_equal(fresh_opt.state_dict(), opt.state_dict())
+    _assert_loads_as_saved(sd.load, path, model, opt)
 
 
 def test_sharded_checkpoint_with_a_negative_exp_avg_sq_is_refused(tmp_path):

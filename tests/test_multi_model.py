@@ -19,7 +19,7 @@ from torch import nn
 
 import socompile
 from socompile.models import build
-from training_helpers import assert_same_params, batches, lm_loss
+from training_helpers import assert_same_params, batches
 
 OPT = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
 
@@ -196,33 +196,36 @@ def test_compiled_model_follows_its_parameters_to_a_newer_optimizer():
         old.step()
 
 
-def test_newer_optimizer_over_the_same_parameters_trains_like_torch():
-    torch.manual_seed(0)
-    model = MLP()
-    ref = copy.deepcopy(model)
+def _built_again(model, ref):
+    """A second optimizer over the same parameters -> (first, second, torch reference)."""
     first = socompile.AdamW(model.parameters(), **OPT)
     second = socompile.AdamW(model.parameters(), **OPT)
-    ref_opt = torch.optim.AdamW(ref.parameters(), **OPT)
-    _train_each([(model, second), (ref, ref_opt)], _mlp_data(3))
-    assert_same_params(model, ref)
-    with pytest.raises(RuntimeError, match="taken over by a newer socompile.AdamW.*Use the new optimizer"):
-        first.step()
+    return first, second, torch.optim.AdamW(ref.parameters(), **OPT)
 
 
-def test_a_param_group_added_from_another_optimizer_takes_its_parameters_over():
-    # add_param_group is the other way a parameter reaches a newer optimizer: the older one must hand it over
-    # (retired, as when a whole optimizer is built again), else both would step it.
-    torch.manual_seed(0)
-    model = MLP()
-    ref = copy.deepcopy(model)
+def _group_added(model, ref):
+    """add_param_group is the other way a parameter reaches a newer optimizer: the older one must hand it over
+    (retired, as when a whole optimizer is built again), else both would step it -> (first, second, reference)."""
     first = socompile.AdamW(model.fc2.parameters(), **OPT)
     second = socompile.AdamW(model.fc1.parameters(), **OPT)
     second.add_param_group({"params": list(model.fc2.parameters())})
     ref_opt = torch.optim.AdamW(ref.fc1.parameters(), **OPT)
     ref_opt.add_param_group({"params": list(ref.fc2.parameters())})
-    _train_each([(model, second), (ref, ref_opt)], _mlp_data(2))
+    return first, second, ref_opt
+
+
+@pytest.mark.parametrize("take_over, steps, message", [
+    (_built_again, 3, "taken over by a newer socompile.AdamW.*Use the new optimizer"),
+    (_group_added, 2, "taken over by a newer socompile.AdamW"),
+], ids=["optimizer-built-again", "param-group-added"])
+def test_a_newer_optimizer_takes_the_parameters_over_and_trains_like_torch(take_over, steps, message):
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    first, second, ref_opt = take_over(model, ref)
+    _train_each([(model, second), (ref, ref_opt)], _mlp_data(steps))
     assert_same_params(model, ref)
-    with pytest.raises(RuntimeError, match="taken over by a newer socompile.AdamW"):
+    with pytest.raises(RuntimeError, match=message):
         first.step()
 
 

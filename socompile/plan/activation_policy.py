@@ -364,29 +364,35 @@ def _names_text(names: list[str]) -> str:
     return f"{prefix}." + ",".join(runs)
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def _pinned_text(ctx, room) -> str:
+    return f"{human_bytes(ctx.offloaded_bytes)} pinned host memory of {human_bytes(room)} free"
+
+
 def _offload_reason(group, ctx, lcosts: _LayerCosts, room, forced) -> str:
     lc = max(group, key=lambda x: x.saved)   # the largest layer: its link times are the longest
     out_t, in_t, hide_fw, hide_bw = lcosts.link[lc.name]
-    return (f"{human_bytes(lc.saved)} each way per layer, {out_t * 1e3:.1f} ms out under {hide_fw * 1e3:.1f} ms "
-            f"of forward, {in_t * 1e3:.1f} ms in under {hide_bw * 1e3:.1f} ms of backward: "
-            f"{lcosts.offload[lc.name] * 1e3:.1f} ms exposed vs {lcosts.recompute[lc.name] * 1e3:.1f} ms to "
-            f"recompute; {human_bytes(ctx.offloaded_bytes)} pinned host memory of {human_bytes(room)} free")
+    link = f"{_ms(out_t)} out under {_ms(hide_fw)} of forward, {_ms(in_t)} in under {_ms(hide_bw)} of backward"
+    exposed = f"{_ms(lcosts.offload[lc.name])} exposed vs {_ms(lcosts.recompute[lc.name])} to recompute"
+    return f"{human_bytes(lc.saved)} each way per layer, {link}: {exposed}; {_pinned_text(ctx, room)}"
 
 
 def _selective_reason(group, ctx, lcosts: _LayerCosts, room, forced) -> str:
     lc = group[0]
-    return (f"+{lcosts.selective[lc.name] * 1e3:.1f} ms each in backward instead of "
-            f"{lcosts.recompute[lc.name] * 1e3:.1f} ms (attention {lc.attention_time * 1e3:.1f} ms not re-run), "
-            f"keeps {human_bytes(lc.boundary + lc.attention_saved)}: input and attention outputs"
-            f"{'; options.activations=' + repr(forced) if forced == 'selective' else ''}")
+    forced_note = f"; options.activations={forced!r}" if forced == "selective" else ""
+    return (f"+{_ms(lcosts.selective[lc.name])} each in backward instead of {_ms(lcosts.recompute[lc.name])} "
+            f"(attention {_ms(lc.attention_time)} not re-run), keeps {human_bytes(lc.boundary + lc.attention_saved)}: "
+            f"input and attention outputs{forced_note}")
 
 
 def _selective_offload_reason(group, ctx, lcosts: _LayerCosts, room, forced) -> str:
     lc = group[0]
-    ck = _checkpoint_bytes(lc)
-    return (f"as selective, its {human_bytes(ck)} of checkpoints (output, attention outputs) in host memory, "
-            f"+{lcosts.selective_offload[lc.name] * 1e3:.1f} ms each in backward with the link time not hidden; "
-            f"{human_bytes(ctx.offloaded_bytes)} pinned host memory of {human_bytes(room)} free")
+    checkpoints = f"its {human_bytes(_checkpoint_bytes(lc))} of checkpoints (output, attention outputs) in host memory"
+    return (f"as selective, {checkpoints}, +{_ms(lcosts.selective_offload[lc.name])} each in backward with the link "
+            f"time not hidden; {_pinned_text(ctx, room)}")
 
 
 def _recompute_reason(group, ctx, lcosts: _LayerCosts, room, forced) -> str:
@@ -396,10 +402,10 @@ def _recompute_reason(group, ctx, lcosts: _LayerCosts, room, forced) -> str:
            "host memory for offload used up" if off < rec and room < lc.saved + ctx.offloaded_bytes else
            f"offload is cheaper but its two-layer window ({human_bytes(2 * lc.saved)}) does not fit the device "
            f"beside the other layers' inputs" if off < rec else
-           f"offload would expose {off * 1e3:.1f} ms > {rec * 1e3:.1f} ms")
+           f"offload would expose {_ms(off)} > {_ms(rec)}")
     if forced == "auto" and sel < rec:
         why += f"; selective would keep {human_bytes(lc.attention_saved)} more per layer, which does not fit"
-    return f"+{rec * 1e3:.1f} ms each in backward, keeps {human_bytes(lc.boundary)} input; {why}"
+    return f"+{_ms(rec)} each in backward, keeps {human_bytes(lc.boundary)} input; {why}"
 
 
 # Each choice but keep, in the order the decision line lists them, and what it says of the layers taking it.
