@@ -13,7 +13,7 @@ import torch
 import socompile
 from socompile.options import OptionError, Options
 from socompile.runtime import device as dev
-from socompile.runtime.emulated_cuda import EmulatedCuda, EmulatedHazard, emulated_device
+from socompile.runtime.emulated_cuda import EmulatedCuda, EmulatedHazard
 
 
 def runtime(seed=0, max_delay=0.003):
