@@ -286,6 +286,7 @@ def narrow_to_device_shard(bucket, rank: int, world: int) -> None:
     bucket._pending_adds.clear()
     bucket._views.clear()
     bucket.window, bucket.state_lo, bucket.host_lo = (lo, hi), lo, lo
+    bucket._low_synced = False   # the shard's bf16 stage is new: cast from the master at its first upload
     bucket.device_shard = shard
 
 
