@@ -497,11 +497,13 @@ def test_a_whole_master_read_of_a_device_sharded_bucket_names_the_cause(monkeypa
 # ones publish's all-gather gives a stationary bucket (the same shards, cast the same way on the host), so the
 # tolerances derived above (TOL, NORM_RTOL against torch for fp32; BF16_* against one process for bf16) apply
 # unchanged. "flow:1,3": buckets 1 and 3 of the plan flow, the others stay stationary (a mix in one graph).
+# (ranks, dtype, weight_mode, prefetch distance, micro-batches per step)
 FLOW_CASES = {
-    "dp2-bf16-mixed-d1": (2, "bfloat16", "flow:1,3", 1),
-    "dp2-fp32-flow-d0": (2, "float32", "flow", 0),
-    "dp3-fp32-mixed-d1": (3, "float32", "flow:1,3", 1),
-    "dp3-bf16-flow-d0": (3, "bfloat16", "flow", 0),
+    "dp2-bf16-mixed-d1": (2, "bfloat16", "flow:1,3", 1, 1),
+    "dp2-fp32-flow-d0": (2, "float32", "flow", 0, 1),
+    "dp3-fp32-mixed-d1": (3, "float32", "flow:1,3", 1, 1),
+    "dp3-bf16-flow-d0": (3, "bfloat16", "flow", 0, 1),
+    "dp2-fp32-flow-d1-accumulate2": (2, "float32", "flow", 1, 2),   # fetched per micro-batch, reduced per step
 }
 DEFAULT_FLOW_CASE = "dp2-bf16-mixed-d1"   # the others (~40 s each on 2 cores) are a slow sweep
 
@@ -509,8 +511,9 @@ DEFAULT_FLOW_CASE = "dp2-bf16-mixed-d1"   # the others (~40 s each on 2 cores) a
 @pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == DEFAULT_FLOW_CASE else pytest.mark.slow)
                                   for c in FLOW_CASES])
 def test_device_zero_flow_buckets_hold_1_over_w_and_equal_the_reference(case):
-    world, dtype, mode, distance = FLOW_CASES[case]
-    results = _results({"dtype": dtype, "compile": True, "flow": mode, "distance": distance}, world)
+    world, dtype, mode, distance, accumulate = FLOW_CASES[case]
+    results = _results({"dtype": dtype, "compile": True, "flow": mode, "distance": distance,
+                        "accumulate": accumulate}, world)
     if world == 3:
         assert any(n % 3 for n in results[0]["numels"]), "some bucket must be padded to 3 equal chunks"
     if dtype == "float32":

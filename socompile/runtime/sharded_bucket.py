@@ -9,15 +9,16 @@
                                              device weights (their dtype) before the next forward reads them
     weight-flow bucket (``flow``)        ->  nothing kept on the device: each prefetch (runtime/offload.py) uploads
                                              this rank's shard into its chunk of the fetched window and all-gathers
-                                             the window in place (``fetch``, zero_device.fetch_window); gradients
+                                             the window in place (``upload_into``, zero_device.fetch_window); gradients
                                              are reduce-scattered in place, into this rank's chunk of the flat buffer
 
 As DeepSpeed ZeRO-2 and FSDP2 do it: the gradients cross the link once per rank as a shard in the weights' dtype
 (bf16 for a bf16 model), the updated weights cross it once per rank as a shard, and the collectives run on device
 tensors (NCCL takes nothing else). Which buckets: a separate host master (``mirror``) stepped on the CPU, whose
 runtime is CUDA (a GPU, or ``runtime="emulated"`` on a CPU, whose "device" tensors are CPU tensors that gloo
-reduces), with an fp32 master, stationary or weight-flow (ZeRO-3 with offloaded parameters). The others keep socompile.distributed.zero's host path
-(a CPU runtime's shared master IS the model's weights: it cannot be cut; see docs/distributed.md).
+reduces), with an fp32 master, stationary or weight-flow (then as ZeRO-3 with offloaded parameters). The others
+keep socompile.distributed.zero's host path (a CPU runtime's shared master IS the model's weights: it cannot be
+cut; see docs/distributed.md).
 
 Per rank, with chunk = ceil(numel / W) and padded = W * chunk (the collectives need W equal chunks):
   host:   master, exp_avg, exp_avg_sq (and the ping-pong spare's three) of chunk fp32 elements; the gradient
@@ -133,7 +134,7 @@ class DeviceShard:
         self.landing = None              # the bucket whose reduced shard that reduce-scatter lands into
         self._work_lock = threading.Lock()
         self.shard_buffer = None if self.flow else self.runtime.empty(self.chunk, self.dtype).zero_()
-        self.reduced = None              # the reduce-scatter's output (stationary: shard_buffer; flow: a chunk of grads)
+        self.reduced = None              # the reduce-scatter's output (shard_buffer; flow: a chunk of grads)
         self.stage = bucket.book_host(STAGING, self.runtime.host_buffer(self.chunk, torch.bfloat16), True) \
             if self.dtype == torch.bfloat16 else None
         self.pool.ledger.alloc(SHARDS, id(self), self.fixed_device_bytes())
@@ -165,8 +166,8 @@ class DeviceShard:
         """Where the reduce-scatter puts this rank's summed chunk: the kept shard buffer, or (flow: nothing kept)
         this rank's chunk of the flat gradient buffer itself (an in-place reduce-scatter, which NCCL and gloo
         allow)."""
-        self.reduced = self.shard_buffer if not self.flow else self.grads[self.rank * self.chunk:
-                                                                          (self.rank + 1) * self.chunk]
+        mine = slice(self.rank * self.chunk, (self.rank + 1) * self.chunk)
+        self.reduced = self.grads[mine] if self.flow else self.shard_buffer
         return self.reduced
 
     def wait_reduced(self) -> None:
