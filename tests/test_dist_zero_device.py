@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from socompile.distributed.launch import run_local
+from socompile.ledger_names import FLOW_FETCH, GRADIENTS, WEIGHT_UPLOAD
 from socompile.runtime.memory import LANDING, MASTER, MOMENTS, SPARES, STAGING
 
 HERE = str(pathlib.Path(__file__).resolve())
@@ -95,8 +96,10 @@ def _planned(opt, world: int) -> dict:
             "device": zero_device_bytes([b.numel for b in opt.buckets], world, size)}
 
 
-def _train(model, opt, topo, tokens_of_step, run, accumulate: int, nan: bool) -> tuple[list, list]:
-    """Train on this rank's rows (``accumulate`` micro-batches per step); NaN through rank 1's loss at NAN_STEP."""
+def _train(model, opt, topo, tokens_of_step, run, accumulate: int, nan: bool,
+           traffic: list | None = None) -> tuple[list, list]:
+    """Train on this rank's rows (``accumulate`` micro-batches per step); NaN through rank 1's loss at NAN_STEP.
+    ``traffic``: gets each step's link bytes (opt.traffic(), keyed "direction/dtype/purpose")."""
     import socompile.distributed as sd
     norms, skipped = [], []
     for step, tokens in enumerate(tokens_of_step):
@@ -112,6 +115,8 @@ def _train(model, opt, topo, tokens_of_step, run, accumulate: int, nan: bool) ->
         opt.zero_grad()
         norms.append(opt.last_grad_norm)
         skipped.append(opt.last_step_skipped)
+        if traffic is not None:
+            traffic.append({"/".join(k): v for k, v in opt.traffic().items()})
     return norms, skipped
 
 
@@ -151,21 +156,26 @@ def _worker(args: dict) -> dict:
     opt = socompile.AdamW(model.parameters(), max_grad_norm=0.5, bucket_size="40KB",
                           grad_accumulation_steps=accumulate, **hyper)
     sharding = sd.shard_optimizer(opt, topo.world_group)
-    run = model
-    if args.get("compile"):
-        run = torch.compile(model, backend=socompile.SuperOffload(compute="eager", gpu_buckets=0,
-                                                                  bucket_size="40KB"))
+    run, backend = model, None
+    if args.get("compile"):   # "flow": the plan's weight_mode option; the plan is made for this rank's shard
+        flow = dict(weight_mode=args["flow"], prefetch_distance=args["distance"], dp_degree=topo.dp,
+                    sp_degree=topo.sp) if args.get("flow") else {}
+        backend = socompile.SuperOffload(compute="eager", gpu_buckets=0, bucket_size="40KB", **flow)
+        run = torch.compile(model, backend=backend)
     batches = list(_batches(topo, 2 * accumulate, STEPS))
-    norms, skipped = _train(model, opt, topo, batches, run, accumulate, nan=True)
+    traffic: list[dict] = []
+    norms, skipped = _train(model, opt, topo, batches, run, accumulate, nan=True, traffic=traffic)
     out = {"norms": norms, "skipped": skipped, "world": topo.world_size, "comm": sharding.stats.as_dict(),
            "device_sharded": [b.device_shard is not None for b in opt.buckets],
+           "flow": [b.flow for b in opt.buckets], "indices": [b.index for b in opt.buckets],
            "numels": [b.numel for b in opt.buckets], "windows": [b.window for b in opt.buckets],
            "host": _host_bytes(opt), "planned": _planned(opt, topo.world_size),
-           "d2h": sum(b.device_shard.d2h_bytes for b in opt.buckets if b.device_shard),
-           "h2d": sum(b.device_shard.h2d_bytes for b in opt.buckets if b.device_shard),
+           "traffic_steps": traffic,
            "device_ledger": opt.buckets[0].device_shard.pool.ledger.summary(),
            "taken_steps": sum(not s for s in skipped),
-           "traffic": {"/".join(k): v for k, v in opt.traffic().items()}}
+           "traffic": traffic[-1]}
+    if args.get("flow"):
+        out["plan"] = _plan_of_the_run(opt, backend.compiled[0], topo.world_size, accumulate)
     with opt.materialized_weights():
         weights = [p.detach().float().clone() for p in model.parameters()]
     out["weights_sum"] = [float(w.double().sum()) for w in weights]
@@ -185,6 +195,25 @@ def _worker(args: dict) -> dict:
                       "numels": [b.numel for b in one_opt.buckets]}
     sd.shutdown()
     return out
+
+
+def _plan_of_the_run(opt, ctx, world: int, accumulate: int) -> dict:
+    """What the compiled plan (made for dp x sp = ``world`` ranks) predicts for one rank, beside what the runtime
+    booked: host bytes by purpose (plan/memory.py runtime_host_bytes), one step's link bytes (plan/transfers.py
+    per_step_traffic), the fetched windows' device bytes (runtime_device_bytes) and ZeRO's kept device buffers."""
+    from socompile.plan.memory import HostLayout, runtime_device_bytes, runtime_host_bytes, zero_device_bytes
+    from socompile.plan.transfers import bucket_transfers, per_step_traffic
+    numels = {name: int(p.numel) for name, p in ctx.ir.params.items()}
+    layout = HostLayout(pins=True, accumulation=accumulate > 1)
+    size = opt.buckets[0].weights.element_size()
+    return {"host": runtime_host_bytes(ctx.plan, ctx.ir, layout, world), "books": opt.host_memory()["by_purpose"],
+            "traffic": {"/".join(k): v for k, v in per_step_traffic(ctx.plan, ctx.ir, accumulate).items()},
+            "flow_peak": runtime_device_bytes(ctx.plan, ctx.ir)["flow_peak"],
+            "flow_booked_peak": ctx.offload.ledger.summary()["peak_parts"].get("weight-flow buffers", 0),
+            "kept": zero_device_bytes([b.numel for b in opt.buckets], world, size,
+                                      [b.flow for b in opt.buckets])["kept"],
+            "fetch_nbytes": {t.bucket: t.nbytes for t in bucket_transfers(ctx.plan, numels)
+                             if t.purpose == FLOW_FETCH}}
 
 
 def _train_one(model, opt, batches) -> tuple[list, list]:
@@ -270,15 +299,56 @@ def _check_memory_and_link(results: list[dict], link_bytes: int) -> None:
         assert planned["host"][SPARES] == 12 * sum(chunks) >= sum(host["spares"])
         assert planned["host"][LANDING] == host["gradients"]
         assert planned["host"].get(STAGING, 0) == (host["bf16 copies"] if link_bytes == 2 else 0)
-        # link bytes, counted at the runtime's copy calls: a gradient shard down per step (the skipped one too:
-        # its gradients are reduced and landed before the norm says skip), an updated weight shard up per taken step
-        steps = r["taken_steps"] + 1
-        assert r["d2h"] == steps * link_bytes * sum(chunks), (r["d2h"], chunks)
-        assert r["h2d"] == r["taken_steps"] * link_bytes * sum(chunks), (r["h2d"], chunks)
+        # link bytes, counted at the runtime's copy calls (opt.traffic() of each step): a gradient shard down per
+        # step (the skipped one too: its gradients are reduced and landed before the norm says skip), an updated
+        # weight shard up per taken step
+        assert _run_total(r, "d2h", GRADIENTS) == (STEPS - 1) * link_bytes * sum(chunks), (r["traffic_steps"], chunks)
+        assert _run_total(r, "h2d", WEIGHT_UPLOAD) == (r["taken_steps"] - 1) * link_bytes * sum(chunks), chunks
         # the last step (taken) in the runtime's traffic ledger: the plan's one transfer list, byte for byte
         assert r["traffic"] == planned["traffic"], (r["traffic"], planned["traffic"])
         ledger = r["device_ledger"]
         assert ledger["by_category"]["ZeRO shard buffers"] == planned["device"]["kept"], (ledger, planned)
+        assert ledger["by_category"]["ZeRO gradient buffers"] == 0, "every flat gradient buffer freed after step()"
+
+
+def _run_total(r: dict, direction: str, purpose: str) -> int:
+    """Bytes of ``purpose`` that crossed ``direction`` in steps 2.. of the run (their opt.traffic()); the first
+    step's also holds shard_optimizer's upload of the broadcast weights, before the buckets were cut."""
+    return sum(v for step in r["traffic_steps"][1:] for k, v in step.items()
+               if k.startswith(direction + "/") and k.endswith("/" + purpose))
+
+
+def _check_flow_memory_and_link(results: list[dict], link_bytes: int, mixed: bool) -> None:
+    """Weight-flow buckets, device-sharded: per rank the host state is the shard's and the link carries shards,
+    as the compiled plan (made for the W ranks) predicts byte for byte: host bytes by purpose and pinned/pageable
+    (opt.host_memory()), one step's link bytes (opt.traffic()), the fetched windows' device bytes, ZeRO's kept
+    device buffers (none for a flow bucket)."""
+    for r in results:
+        w, plan = r["world"], r["plan"]
+        chunks = [-(-n // w) for n in r["numels"]]
+        assert any(r["flow"]) and (mixed == (not all(r["flow"]))), (r["flow"], mixed)
+        host = r["host"]
+        assert host["master"] == 4 * sum(chunks) and host["moments"] == 8 * sum(chunks), host
+        assert host["gradients"] == link_bytes * sum(chunks), host     # the landing buffer of the shard, no stage
+        # the spares are made when a bucket first speculates (not every bucket does in 6 steps): at most planned
+        books, planned = dict(plan["books"]), dict(plan["host"])
+        made, room = books.pop(SPARES, {"pinned": 0, "pageable": 0}), planned.pop(SPARES)
+        assert books == planned, (books, planned)
+        assert made["pinned"] == room["pinned"] == 0 and made["pageable"] <= room["pageable"], (made, room)
+        assert r["traffic"] == plan["traffic"], (r["traffic"], plan["traffic"])
+        # every step fetches the same: each use of a flow bucket uploads this rank's shard, nothing more
+        fetches = [{k: v for k, v in step.items() if k.endswith("/" + FLOW_FETCH)} for step in r["traffic_steps"]]
+        assert fetches[0] and all(f == fetches[0] for f in fetches), fetches
+        # one shard of each flow bucket per use, in the weights' dtype (the plan's link dtype of flow weights;
+        # bucket indices come back as JSON keys: strings)
+        flow_chunks = {i: c for i, c, f in zip(r["indices"], chunks, r["flow"]) if f}
+        assert plan["fetch_nbytes"] == {str(i): link_bytes * c for i, c in flow_chunks.items()}, (plan, flow_chunks)
+        assert _run_total(r, "d2h", GRADIENTS) == (STEPS - 1) * link_bytes * sum(chunks)
+        stationary = sum(c for c, f in zip(chunks, r["flow"]) if not f)
+        assert _run_total(r, "h2d", WEIGHT_UPLOAD) == (r["taken_steps"] - 1) * link_bytes * stationary
+        assert plan["flow_booked_peak"] == plan["flow_peak"] > 0, plan
+        ledger = r["device_ledger"]
+        assert ledger["by_category"].get("ZeRO shard buffers", 0) == plan["kept"], (ledger, plan)
         assert ledger["by_category"]["ZeRO gradient buffers"] == 0, "every flat gradient buffer freed after step()"
 
 
@@ -419,3 +489,36 @@ def test_a_whole_master_read_of_a_device_sharded_bucket_names_the_cause(monkeypa
     untouched = torch.ones_like(before, dtype=torch.bool)
     untouched[bucket.host(start, end)] = False
     assert torch.equal(bucket.master[untouched], before[untouched])
+
+
+# ------------------------------------------------------------------ weight-flow buckets (ZeRO-3, offloaded weights)
+# Each use of a flow bucket fetches this rank's master shard and all-gathers the window on the device; the
+# gradients are reduce-scattered on the device as for stationary buckets. The values the forward reads are the
+# ones publish's all-gather gives a stationary bucket (the same shards, cast the same way on the host), so the
+# tolerances derived above (TOL, NORM_RTOL against torch for fp32; BF16_* against one process for bf16) apply
+# unchanged. "flow:1,3": buckets 1 and 3 of the plan flow, the others stay stationary (a mix in one graph).
+# (ranks, dtype, weight_mode, prefetch distance, micro-batches per step)
+FLOW_CASES = {
+    "dp2-bf16-mixed-d1": (2, "bfloat16", "flow:1,3", 1, 1),
+    "dp2-fp32-flow-d0": (2, "float32", "flow", 0, 1),
+    "dp3-fp32-mixed-d1": (3, "float32", "flow:1,3", 1, 1),
+    "dp3-bf16-flow-d0": (3, "bfloat16", "flow", 0, 1),
+    "dp2-fp32-flow-d1-accumulate2": (2, "float32", "flow", 1, 2),   # fetched per micro-batch, reduced per step
+}
+DEFAULT_FLOW_CASE = "dp2-bf16-mixed-d1"   # the others (~40 s each on 2 cores) are a slow sweep
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == DEFAULT_FLOW_CASE else pytest.mark.slow)
+                                  for c in FLOW_CASES])
+def test_device_zero_flow_buckets_hold_1_over_w_and_equal_the_reference(case):
+    world, dtype, mode, distance, accumulate = FLOW_CASES[case]
+    results = _results({"dtype": dtype, "compile": True, "flow": mode, "distance": distance,
+                        "accumulate": accumulate}, world)
+    if world == 3:
+        assert any(n % 3 for n in results[0]["numels"]), "some bucket must be padded to 3 equal chunks"
+    if dtype == "float32":
+        _check_fp32(results)
+    else:
+        _check_bf16(results)
+        _check_one_process_memory(results)
+    _check_flow_memory_and_link(results, 4 if dtype == "float32" else 2, mixed=mode != "flow")

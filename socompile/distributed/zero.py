@@ -45,7 +45,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from ..runtime.sharded_bucket import widen_from_gathered
+from ..runtime.sharded_bucket import widen_from_gathered, zero_pool
 from . import zero_device
 from .faults import agree_across_ranks, field_hashes, guard
 
@@ -116,6 +116,10 @@ class ZeroSharding:
                 full.append(out[:bucket.numel])
             bucket.exp_avg, bucket.exp_avg_sq = full
             bucket.state_lo, bucket.spare, bucket.window = 0, None, None
+
+    def fetch_window(self, bucket, window):
+        """A device-sharded flow bucket's fetch into ``window`` (zero_device.fetch_window); returns its wait."""
+        return zero_device.fetch_window(self, bucket, window)
 
     def _ring(self, nbytes: int, factor: float = 1.0) -> float:
         return factor * nbytes * (self.world - 1) / self.world
@@ -259,6 +263,8 @@ def shard_optimizer(optimizer, group=None, broadcast_from: int | None = 0) -> Ze
     for bucket in optimizer.buckets:   # from now on each rank keeps optimizer state for its windows only
         bucket.shard(sharding.rank, sharding.world)
     optimizer._sharding = sharding
+    for runtime in {id(b.runtime): b.runtime for b in optimizer.buckets if b.runtime is not None}.values():
+        zero_pool(runtime).collectives = sharding   # flow buckets' fetches all-gather through it (later claims too)
     for bucket in optimizer.buckets:
         for i, p in enumerate(bucket.params):
             if p in optimizer.state:

@@ -53,7 +53,7 @@ def start(sharding, bucket) -> object | None:
     stream-ordered backends land at once, see the NOTE)."""
     shard = bucket.device_shard
     with guard(f"reduce-scatter of bucket {bucket.index} (device)", sharding.group):
-        work = dist.reduce_scatter_tensor(shard.shard_buffer, shard.grads, op=dist.ReduceOp.SUM,
+        work = dist.reduce_scatter_tensor(shard.reduce_output(), shard.grads, op=dist.ReduceOp.SUM,
                                           group=sharding.group, async_op=True)
     nbytes = shard.grads.numel() * shard.grads.element_size()
     sharding.stats.reduce_scatter_bytes += nbytes
@@ -63,17 +63,16 @@ def start(sharding, bucket) -> object | None:
         shard.land(bucket)
         shard.release_grads()   # stream-ordered: the allocator reuses it after the collective (record_stream)
         return None
-    shard.pool.reducing(work, shard)   # freed once done, by the training thread (ZeroPool.settle)
+    shard.pool.reducing(work, shard, bucket)   # landed and freed once done (ZeroPool.settle, finish)
     return work
 
 
 def finish(bucket, work, group) -> None:
     """Wait for the reduce-scatter (gloo: blocks this thread) and land the averaged shard in host memory; then
     wait for that copy, so the CPU kernel may read ``bucket.grad``."""
-    if work is not None:
+    if work is not None:   # lands it, unless the training thread did (ZeroPool.settle)
         with guard(f"reduce-scatter of bucket {bucket.index} (device, wait)", group):
             bucket.device_shard.wait_reduced()
-        bucket.device_shard.land(bucket)
     bucket.wait_grads()
 
 
@@ -82,12 +81,37 @@ def publish(sharding, bucket) -> None:
     rank's shard, in the weights' dtype; the next forward reads them after it (stream order on CUDA; gloo's
     all-gather returns when done)."""
     shard = bucket.device_shard
+    if shard.flow:   # no device weights to update: the next fetch uploads the new shard and gathers the window
+        shard.refresh_window(bucket)
+        return
     shard.upload_shard(bucket)
     with guard(f"all-gather of bucket {bucket.index} (device)", sharding.group):
         dist.all_gather_into_tensor(bucket.weights, shard.shard_buffer, group=sharding.group)
     nbytes = bucket.weights.numel() * bucket.weights.element_size()
     sharding.stats.all_gather_bytes += nbytes
     sharding.stats.sent_bytes += sharding._ring(nbytes)
+
+
+def fetch_window(sharding, bucket, window: torch.Tensor):
+    """A flow bucket's fetch (runtime/offload.py prefetch): this rank's shard up into its chunk of ``window``
+    (``padded`` elements), then the all-gather of the window in place, issued now (the training thread, in graph
+    order: every rank fetches the same buckets in the same order). Returns what the fetch's wait calls: gloo blocks
+    until the window is whole; NCCL orders the compute stream after the collective."""
+    shard = bucket.device_shard
+    mine, event = shard.upload_into(bucket, window)
+    shard.runtime.wait_on_compute(event)
+    if not sharding.stream_ordered:
+        event.synchronize()   # gloo reads the chunk from this process's memory, on its own threads
+    with guard(f"all-gather of bucket {bucket.index}'s weights (fetch)", sharding.group):
+        work = dist.all_gather_into_tensor(window, mine, group=sharding.group, async_op=True)
+    nbytes = window.numel() * window.element_size()
+    sharding.stats.all_gather_bytes += nbytes
+    sharding.stats.sent_bytes += sharding._ring(nbytes)
+
+    def wait() -> None:
+        with guard(f"all-gather of bucket {bucket.index}'s weights (fetch, wait)", sharding.group):
+            work.wait()
+    return wait
 
 
 def gather_whole(sharding, bucket) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

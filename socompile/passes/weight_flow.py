@@ -95,7 +95,7 @@ def _apply(gm: fx.GraphModule, plan, ctx, phase: str, pass_name: str, chains: di
             link = TORCH_DTYPES[b.param_link_dtype]
             with gm.graph.inserting_before(anchor):
                 flat = build.call(torch.ops.socompile.wait_weights.default,
-                                  (runtime.handle, phase, b.index, flat_bucket.master.numel(), link, like.device,
+                                  (runtime.handle, phase, b.index, flat_bucket.numel, link, like.device,
                                    tickets.pop(b.index, None)),
                                   f"{why}: its weights are needed from here", anchor)
                 for i, name in enumerate(b.params):

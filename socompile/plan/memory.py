@@ -8,8 +8,9 @@ Device (per step, at the activation peak):
   + weight-flow buffers                 ((max prefetch distance + 1) * largest flow bucket, in its link dtype)
   + upload staging for device casts     (2 * largest stationary CPU bucket, fp32)
   + ZeRO device buffers (world > 1)     (zero_device_bytes: per stationary CPU bucket its shard buffer and its
-                                         weights' padding to W chunks, kept; flat gradient buffers of two buckets
-                                         adjacent in gradient order, while one fills and one is reduced)
+                                         weights' padding to W chunks, kept (a flow bucket keeps none); flat
+                                         gradient buffers of two CPU buckets adjacent in gradient order, while one
+                                         fills and one is reduced)
 Gradient staging is no buffer of the runtime's: it is the backward graph's own gradient tensors, held by a
 bucket's step node until the bucket is complete and by its device-to-host copy until it lands in the pinned
 landing buffer (runtime/host_master.py), so perf/analysis.py does not count them as activations. The floor of a plan
@@ -65,8 +66,9 @@ def device_memory(buckets: list[BucketPlan], weight_bytes: int, activations: flo
              ("GPU optimizer state", gpu_state * 12 // max(1, world) + gpu_state * weight_bytes),
              ("gradient staging", staging),
              ("weight-flow buffers", flow_buffers), ("upload staging", upload))
-    if world > 1:   # device-side ZeRO of the stationary CPU buckets (runtime/sharded_bucket.py)
-        zero = zero_device_bytes([b.numel for b in cpu if b.weight_mode == "stationary"], world, weight_bytes)
+    if world > 1:   # device-side ZeRO of the CPU buckets, stationary and flow (runtime/sharded_bucket.py)
+        zero = zero_device_bytes([b.numel for b in cpu], world, weight_bytes,
+                                 [b.weight_mode == "flow" for b in cpu])
         parts += (("ZeRO device buffers", zero["kept"] + zero["gradients"]),)
     fixed = int(sum(v for k, v in parts if k != "activations"))
     expr = sympy.Add(activations_expr, fixed) if not isinstance(activations_expr, (int, float)) \
@@ -75,15 +77,17 @@ def device_memory(buckets: list[BucketPlan], weight_bytes: int, activations: flo
                           host_total=0, host_pinned=0, host_parts=())
 
 
-def zero_device_bytes(numels: list[int], world: int, weight_bytes: int) -> dict:
+def zero_device_bytes(numels: list[int], world: int, weight_bytes: int, flow: list[bool] | None = None) -> dict:
     """Device bytes of device-side ZeRO (runtime/sharded_bucket.py) for buckets of ``numels`` elements in gradient
-    order, per rank: "kept" (each bucket's shard buffer of ceil(numel / W) elements and its weights' padding to W
-    equal chunks) and "gradients" (the peak of the flat gradient buffers of W * ceil(numel / W) elements, made at a
+    order, per rank: "kept" (each stationary bucket's shard buffer of ceil(numel / W) elements and its weights'
+    padding to W equal chunks; a flow bucket, ``flow[i]``, keeps none: its fetched windows are the weight-flow
+    buffers) and "gradients" (the peak of the flat gradient buffers of W * ceil(numel / W) elements, made at a
     bucket's first gradient and freed once its reduce-scatter is done: two buckets adjacent in gradient order are
     live at once, one filling and one being reduced), in the weights' dtype (the link dtype of the collectives)."""
     chunks = [-(-n // world) for n in numels]
     padded = [c * world for c in chunks]
-    kept = weight_bytes * sum(c + p - n for c, p, n in zip(chunks, padded, numels))
+    flow = flow or [False] * len(numels)
+    kept = weight_bytes * sum(c + p - n for c, p, n, f in zip(chunks, padded, numels, flow) if not f)
     pairs = [a + b for a, b in zip(padded, padded[1:])] or padded
     return {"kept": kept, "gradients": weight_bytes * max(pairs, default=0)}
 
@@ -106,7 +110,9 @@ def bucket_host_buffers(b: BucketPlan, numel: int, weight_bytes: int, world: int
     """(purpose, bytes, pinned) of each host buffer the runtime allocates for CPU bucket ``b`` of ``numel``
     elements (padded as runtime/flat_bucket.py lays it out); none for a device-stepped bucket (its state is
     device memory). ZeRO over ``world`` ranks: master, moments, spares and the gradient landing buffer cover the
-    rank's 1/world shard; the bf16 staging copy is whole (each rank uploads or streams all the weights)."""
+    rank's 1/world shard; with pinned buffers (a CUDA runtime: device-side ZeRO, stationary and flow buckets) the
+    gradients land in the weights' dtype and the bf16 staging copy is the shard's too; else (the host path) the
+    bf16 staging copy is whole."""
     if b.optimizer_site != "cpu":
         return []
     shard = -(-numel // max(1, world))
@@ -114,9 +120,10 @@ def bucket_host_buffers(b: BucketPlan, numel: int, weight_bytes: int, world: int
     pins = layout.pins and separate
     bf16 = weight_bytes == 2
     flow = separate and b.weight_mode == "flow"
-    # device-side ZeRO (runtime/sharded_bucket.py: stationary, separate master, CUDA): the shard goes up cast on
-    # the host from a bf16 stage of the shard; gradients accumulate on the device
-    zero_device = pins and world > 1 and b.weight_mode == "stationary"
+    # device-side ZeRO (runtime/sharded_bucket.py: separate master, CUDA, stationary or flow): the shard goes up
+    # cast on the host from a bf16 stage of the shard; gradients accumulate and are reduced on the device, in the
+    # weights' dtype, and land as they crossed: bf16 as bf16, else fp32 (sharded_bucket.landing_dtype)
+    zero_device = pins and world > 1
     # the plan's device cast (stationary bf16 weights, cast_site "device"): the fp32 master itself is uploaded
     device_cast = separate and bf16 and b.weight_mode == "stationary" and b.cast_site == "device" and not zero_device
     master_crosses = pins and (not bf16 or device_cast)   # uploads and fetches of non-bf16 weights read the master
@@ -124,6 +131,8 @@ def bucket_host_buffers(b: BucketPlan, numel: int, weight_bytes: int, world: int
     if b.rollback == "exact":   # the spare master becomes the master at a commit: pinned like it (unsharded)
         out += [(SPARES, 4 * shard, master_crosses and world <= 1), (SPARES, 8 * shard, False)]
     landing = 4 if layout.shared_master else dtype_bytes(b.link_dtype)   # shared: the parameters' fp32 .grad
+    if zero_device:
+        landing = 2 if bf16 else 4
     out.append((LANDING, shard * landing, pins))
     if pins and layout.accumulation and not zero_device:   # later micro-batches land in a stage, then are added
         out.append((ACCUMULATION, landing * numel, True))
@@ -204,8 +213,10 @@ def runtime_device_bytes(plan, ir, align: int | None = None) -> dict:
     and graph temporaries are not the runtime's. Returns {"peak", "fixed", "flow_peak", "flow_phase_peak",
     "parts"}."""
     from .flow_schedule import flow_peak, flow_schedule
+    from .transfers import plan_world   # (transfers imports this module)
     align = ALIGN if align is None else align
     weight_bytes = plan.prediction("param_dtype_bytes", 4)
+    world = plan_world(plan)
     stationary = state = 0
     flow_bytes = {}
     for b in plan.buckets:
@@ -214,8 +225,8 @@ def runtime_device_bytes(plan, ir, align: int | None = None) -> dict:
             state += 16 * n          # fp32 master, gradient, exp_avg, exp_avg_sq
             if weight_bytes != 4:    # bf16/fp16 weights: a device copy cast from that master (runtime/flat_bucket.py)
                 stationary += n * weight_bytes
-        if b.weight_mode == "flow":
-            flow_bytes[b.index] = n * dtype_bytes(b.param_link_dtype)
+        if b.weight_mode == "flow":   # device-side ZeRO fetches windows of W equal chunks (the all-gather's output)
+            flow_bytes[b.index] = (n if world <= 1 else -(-n // world) * world) * dtype_bytes(b.param_link_dtype)
         elif b.optimizer_site != "device":
             stationary += n * weight_bytes   # a device-site bucket's weights are its fp32 master, counted above
     peak, per_phase = flow_peak(flow_schedule(plan, ir), flow_bytes)

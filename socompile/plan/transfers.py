@@ -12,11 +12,11 @@ For each bucket of a plan (``bucket_transfers``):
                          ``param_link_dtype``, padded
     device-stepped buckets move nothing.
 
-ZeRO over ``world`` ranks (per rank): a stationary CPU-stepped bucket takes the device path
-(runtime/sharded_bucket.py): its gradients are reduced on the device and one shard of ceil(laid out / world)
-elements crosses, once per step (micro-batches accumulate on the device), in the weights' dtype; the updated shard
-goes up in the weights' dtype (bf16 cast on the host from the shard's stage). Flow buckets keep the host path
-(their whole gradients cross, each micro-batch, in fp32: the host reduce-scatter sums fp32).
+ZeRO over ``world`` ranks (per rank): a CPU-stepped bucket takes the device path (runtime/sharded_bucket.py):
+its gradients are reduced on the device and one shard of ceil(laid out / world) elements crosses, once per step
+(micro-batches accumulate on the device), in the weights' dtype. A stationary bucket's updated shard goes up once
+per step in the weights' dtype (bf16 cast on the host from the shard's stage); a flow bucket's shard goes up at
+every use, in ``param_link_dtype``, and the device all-gathers the whole window from the ranks' shards.
 
 Activation offload adds, per offloaded layer and micro-batch, its saved tensors d2h in forward and h2d in backward
 (``activation_transfers``: bytes from the graph analysis, perf/analysis.py ``LayerCosts``).
@@ -83,13 +83,13 @@ def plan_world(plan) -> int:
 
 def _zero_transfers(b, laid_out: int, weight_bytes: int, world: int) -> list[Transfer]:
     """One rank's transfers of a CPU-stepped bucket under ZeRO (see the module doc)."""
-    if b.weight_mode == "flow":   # the host path: whole fp32 gradients each micro-batch, fetches as one process
-        return [Transfer(b.index, "d2h", "float32", GRADIENTS, b.numel * 4, "micro-batch"),
-                Transfer(b.index, "h2d", b.param_link_dtype, FLOW_FETCH, laid_out * _bytes(b.param_link_dtype), "use")]
     shard = -(-laid_out // world)
     weights = dtype_name(weight_bytes)
-    return [Transfer(b.index, "d2h", weights, GRADIENTS, shard * weight_bytes, "step"),
-            Transfer(b.index, "h2d", weights, WEIGHT_UPLOAD, shard * weight_bytes, "step")]
+    gradients = Transfer(b.index, "d2h", weights, GRADIENTS, shard * weight_bytes, "step")
+    if b.weight_mode == "flow":
+        return [gradients, Transfer(b.index, "h2d", b.param_link_dtype, FLOW_FETCH,
+                                    shard * _bytes(b.param_link_dtype), "use")]
+    return [gradients, Transfer(b.index, "h2d", weights, WEIGHT_UPLOAD, shard * weight_bytes, "step")]
 
 
 def activation_transfers(plan, layers) -> list[Transfer]:

@@ -41,7 +41,7 @@ from ..plan.bucketize import ALIGN   # one layout fact for planner and runtime
 from .host_master import HostMasterCopies, flat_real
 from .memory import LANDING, MASTER, MOMENTS, SPARES
 from .traffic import TrafficLedger
-from .sharded_bucket import device_shard_eligible, narrow_to_device_shard, shard_window  # noqa: F401 (re-export)
+from .sharded_bucket import device_shard_eligible, landing_dtype, narrow_to_device_shard, shard_window  # noqa: F401
 
 
 def real_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -156,16 +156,12 @@ class FlatBucket(HostMasterCopies):
         return buffer
 
     def _landing_dtype(self, link_dtype: str | None, shard: tuple[int, int] | None) -> torch.dtype:
-        """The dtype of the host gradient buffer: the plan's link dtype (what crosses the link lands as it
-        crossed, and the CPU kernel reads bf16 gradients directly) for a CPU-stepped bucket with a separate
-        master whose state is fp32; else the state dtype (no plan: an eager pool bucket; a shared master, whose
-        parameters' ``.grad`` are views of it; device-stepped state; float64 state; a ZeRO-sharded bucket, whose
-        host reduce-scatter sums in fp32)."""
-        half = TORCH_DTYPES.get(link_dtype or "")
-        if half is None or half.itemsize != 2 or not self.mirror or self.site != "cpu" \
-                or self.state_dtype != torch.float32 or (shard is not None and shard[1] > 1):
-            return self.state_dtype
-        return half
+        """The dtype of the host gradient buffer (``landing_dtype``, the one rule): the plan's link dtype for a
+        CPU-stepped bucket with a separate master; else the state dtype (no plan: an eager pool bucket; a shared
+        master, whose parameters' ``.grad`` are views of it; device-stepped state; a ZeRO-sharded bucket: the host
+        reduce-scatter sums in fp32, and device-side ZeRO re-makes the buffer for its shard, narrow_to_device_shard)."""
+        crosses = self.mirror and self.site == "cpu" and not (shard is not None and shard[1] > 1)
+        return landing_dtype(TORCH_DTYPES.get(link_dtype or "") if crosses else None, self.state_dtype)
 
     @staticmethod
     def _no_zero():

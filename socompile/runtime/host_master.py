@@ -256,6 +256,9 @@ class HostMasterCopies:
 
     def _fill_weights(self) -> None:
         self.weights.untyped_storage().resize_(self.numel * self.weights.element_size())
+        if self.device_shard is not None:   # device-side ZeRO: this rank holds a shard; the ranks' are gathered
+            self.device_shard.gather_weights(self)
+            return
         self.weights.copy_(self.master)
 
     def keep_weights(self) -> None:

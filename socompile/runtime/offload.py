@@ -84,7 +84,7 @@ class OffloadRuntime:
                 flat.upload_staging = self.upload_staging
 
     def numel(self, bucket: int) -> int:
-        return self.buckets[bucket].master.numel()
+        return self.buckets[bucket].numel   # a device-sharded bucket's master holds its shard only
 
     @ranges.ranged(ranges.PREFETCH, lambda self, phase, bucket: bucket)
     def prefetch(self, phase: str, bucket: int) -> None:
@@ -94,6 +94,10 @@ class OffloadRuntime:
         self.ledger.set_phase(PHASE_NAMES[phase])
         flat = self.buckets[bucket]
         dtype = self.link_dtype[bucket]
+        shard = getattr(flat, "device_shard", None)
+        if shard is not None:   # device-side ZeRO: this rank's shard up, the window all-gathered on the device
+            self._fetch_window(key, flat, shard, dtype)
+            return
         dst = self.device.empty(flat.master.numel(), dtype)
         self.ledger.alloc(FLOW, key, dst.numel() * dst.element_size())
         # read now: a ping-pong commit re-points master, never during a graph. A separate host master of bf16
@@ -108,7 +112,17 @@ class OffloadRuntime:
                 dst.copy_(src)    # converts to the link dtype when the CPU casts (cast_site="cpu")
             self.events.record("h2d_end", bucket)
         done = self.h2d.submit(copy) if self.device.kind == "cpu" else self.device.copy_async(dst, src, self.h2d)
-        self._inflight[key] = (dst, done)
+        self._inflight[key] = (dst, lambda: self.device.wait_on_compute(done))
+        self.fetch_counts[key] = self.fetch_counts.get(key, 0) + 1
+
+    def _fetch_window(self, key, flat, shard, dtype: torch.dtype) -> None:
+        """A device-sharded flow bucket (runtime/sharded_bucket.py): the window holds ``padded`` elements (W equal
+        chunks: the all-gather's output), booked whole; the graph gets its first ``numel``."""
+        window = self.device.empty(shard.padded, dtype)
+        self.ledger.alloc(FLOW, key, window.numel() * window.element_size())
+        self.events.record(f"{key[0]}_prefetch", key[1])
+        ready = shard.pool.collectives.fetch_window(flat, window)   # books its upload in the traffic ledger
+        self._inflight[key] = (window[:flat.numel], ready)
         self.fetch_counts[key] = self.fetch_counts.get(key, 0) + 1
 
     def wait(self, phase: str, bucket: int) -> torch.Tensor:
@@ -116,8 +130,8 @@ class OffloadRuntime:
         if entry is None:
             raise RuntimeError(f"socompile: {PHASE_NAMES[phase]} waits for bucket {bucket}, which was not "
                                f"prefetched (a missing socompile.prefetch node; run passes.table.graph_problems)")
-        dst, done = entry
-        self.device.wait_on_compute(done)
+        dst, ready = entry
+        ready()   # the compute stream waits for the copy (and, device-sharded, the all-gather)
         self.events.record(f"{phase}_wait", bucket)
         self.fetched.append(weakref.ref(dst))
         return dst            # the graph owns it from here; the runtime keeps no reference

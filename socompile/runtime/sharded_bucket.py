@@ -7,13 +7,18 @@
     CPU kernel steps the shard (master, moments, spare: chunk elements, ``FlatBucket.host`` indexes them)
     publish                              ->  the updated shard up (bf16 cast on the host), all-gather of the
                                              device weights (their dtype) before the next forward reads them
+    weight-flow bucket (``flow``)        ->  nothing kept on the device: each prefetch (runtime/offload.py) uploads
+                                             this rank's shard into its chunk of the fetched window and all-gathers
+                                             the window in place (``upload_into``, zero_device.fetch_window); gradients
+                                             are reduce-scattered in place, into this rank's chunk of the flat buffer
 
 As DeepSpeed ZeRO-2 and FSDP2 do it: the gradients cross the link once per rank as a shard in the weights' dtype
 (bf16 for a bf16 model), the updated weights cross it once per rank as a shard, and the collectives run on device
 tensors (NCCL takes nothing else). Which buckets: a separate host master (``mirror``) stepped on the CPU, whose
 runtime is CUDA (a GPU, or ``runtime="emulated"`` on a CPU, whose "device" tensors are CPU tensors that gloo
-reduces), with stationary weights and an fp32 master. The others keep socompile.distributed.zero's host path
-(a CPU runtime's shared master IS the model's weights: it cannot be cut; see docs/distributed.md).
+reduces), with an fp32 master, stationary or weight-flow (then as ZeRO-3 with offloaded parameters). The others
+keep socompile.distributed.zero's host path (a CPU runtime's shared master IS the model's weights: it cannot be
+cut; see docs/distributed.md).
 
 Per rank, with chunk = ceil(numel / W) and padded = W * chunk (the collectives need W equal chunks):
   host:   master, exp_avg, exp_avg_sq (and the ping-pong spare's three) of chunk fp32 elements; the gradient
@@ -21,7 +26,9 @@ Per rank, with chunk = ceil(numel / W) and padded = W * chunk (the collectives n
           a pinned bf16 stage of chunk elements (the shard is cast on the host, half the bytes cross the link)
   device: the weights, padded to ``padded`` (the all-gather's output); the gradients of ``padded`` elements and
           the reduce-scatter's output of chunk elements, in the weights' dtype; the upload of chunk elements
-          (the all-gather's input). plan/memory.py counts the same (``zero_device_bytes``, ``host_memory``).
+          (the all-gather's input). A flow bucket keeps nothing: its fetched window (``padded`` elements, the
+          plan's link dtype) lives from prefetch to release, and its reduce-scatter writes into its own gradient
+          buffer. plan/memory.py counts the same (``zero_device_bytes``, ``host_memory``).
 """
 from __future__ import annotations
 
@@ -31,7 +38,7 @@ import torch
 
 from .host_master import store_gradients
 from .memory import LANDING, MASTER, MOMENTS, STAGING
-from .traffic import GRADIENTS as GRADIENT_LINK, WEIGHT_UPLOAD
+from .traffic import FLOW_FETCH, GRADIENTS as GRADIENT_LINK, WEIGHT_UPLOAD
 
 
 def shard_window(numel: int, rank: int, world: int) -> tuple[int, int]:
@@ -44,15 +51,17 @@ def shard_window(numel: int, rank: int, world: int) -> tuple[int, int]:
 
 def device_shard_eligible(bucket) -> bool:
     """The bucket can keep host state for its shard only and reduce / gather on the device (see the module doc)."""
-    return (bucket.mirror and bucket.site == "cpu" and not bucket.flow and bucket.weights is not None
+    return (bucket.mirror and bucket.site == "cpu" and bucket.weights is not None
             and bucket.runtime is not None and bucket.runtime.kind == "cuda"
             and bucket.state_dtype == torch.float32)
 
 
-def landing_dtype(weights_dtype: torch.dtype) -> torch.dtype:
-    """The host gradient landing buffer's dtype: bf16 gradients land as they are (the CPU kernel reads bf16
-    gradients); any other weights' gradients land in fp32 (the kernel reads fp32 or bf16 only)."""
-    return torch.bfloat16 if weights_dtype == torch.bfloat16 else torch.float32
+def landing_dtype(link_dtype: torch.dtype | None, state_dtype: torch.dtype) -> torch.dtype:
+    """The one rule for a host gradient landing buffer's dtype: gradients that cross the link in bf16 land as they
+    crossed when the state is fp32 (the CPU kernel reads bf16 or fp32 gradients); anything else lands in the state
+    dtype. ``link_dtype``: what crosses (the plan's link dtype; device-side ZeRO: the weights' dtype, in which the
+    device reduces); None: nothing crosses (a shared master, device-stepped state, the host reduce-scatter)."""
+    return torch.bfloat16 if link_dtype == torch.bfloat16 and state_dtype == torch.float32 else state_dtype
 
 
 def chunk_of(numel: int, world: int) -> int:
@@ -66,16 +75,19 @@ SHARDS = "ZeRO shard buffers"
 class ZeroPool:
     """What the device-sharded buckets of one runtime (one optimizer's device) share: the device ledger of their
     buffers, and the reductions in flight, so that at most two flat gradient buffers live at once without
-    accumulation (one being filled by backward, one being reduced), as plan/memory.py counts them."""
+    accumulation (one being filled by backward, one being reduced), as plan/memory.py counts them; and the
+    collectives of the optimizer sharded over them (``collectives``: its socompile.distributed.zero.ZeroSharding,
+    set by shard_optimizer), which a flow bucket's fetch all-gathers with."""
 
     def __init__(self):
         from .memory import DeviceLedger
         self.ledger = DeviceLedger()
+        self.collectives = None
         self._reducing: list["DeviceShard"] = []   # shards whose reduce-scatter was issued, in issue order
         self._lock = threading.Lock()
 
-    def reducing(self, work, shard: "DeviceShard") -> None:
-        shard.work = work
+    def reducing(self, work, shard: "DeviceShard", bucket) -> None:
+        shard.work, shard.landing = work, bucket
         with self._lock:
             self._reducing.append(shard)
 
@@ -116,23 +128,25 @@ class DeviceShard:
         self.dtype = bucket.dtype        # gradients are gathered and reduced in it: bf16 for a bf16 model
         self.runtime = bucket.runtime
         self.pool = zero_pool(self.runtime)
+        self.flow = bucket.flow          # weights fetched for each use: no device buffer is kept
         self.grads = None
-        self.work = None                 # the reduce-scatter in flight (gloo), waited once (wait_reduced)
+        self.work = None                 # the reduce-scatter in flight (gloo), waited and landed once (wait_reduced)
+        self.landing = None              # the bucket whose reduced shard that reduce-scatter lands into
         self._work_lock = threading.Lock()
-        self.shard_buffer = self.runtime.empty(self.chunk, self.dtype).zero_()
+        self.shard_buffer = None if self.flow else self.runtime.empty(self.chunk, self.dtype).zero_()
+        self.reduced = None              # the reduce-scatter's output (shard_buffer; flow: a chunk of grads)
         self.stage = bucket.book_host(STAGING, self.runtime.host_buffer(self.chunk, torch.bfloat16), True) \
             if self.dtype == torch.bfloat16 else None
         self.pool.ledger.alloc(SHARDS, id(self), self.fixed_device_bytes())
-        self.d2h_bytes = 0      # bytes this rank copied down for this bucket (gradient shards)
-        self.h2d_bytes = 0      # bytes this rank copied up (updated weight shards)
 
     @property
     def element_size(self) -> int:
-        return self.shard_buffer.element_size()
+        return self.dtype.itemsize
 
     def fixed_device_bytes(self) -> int:
-        """Device bytes kept for the bucket's whole life: the shard buffer and the weights' padding to W chunks."""
-        return self.element_size * (self.chunk + self.padded - self.numel)
+        """Device bytes kept for the bucket's whole life: the shard buffer and the weights' padding to W chunks
+        (none for a flow bucket: its weights hold nothing between uses)."""
+        return 0 if self.flow else self.element_size * (self.chunk + self.padded - self.numel)
 
     def close(self) -> None:
         self.release_grads()
@@ -148,13 +162,24 @@ class DeviceShard:
             self.pool.ledger.alloc(GRADIENTS, id(self), self.grads.numel() * self.element_size)
         store_gradients(lambda i: self.grads[bucket.segment(i)], bucket.has_grad, segments, grads, accumulate)
 
+    def reduce_output(self) -> torch.Tensor:
+        """Where the reduce-scatter puts this rank's summed chunk: the kept shard buffer, or (flow: nothing kept)
+        this rank's chunk of the flat gradient buffer itself (an in-place reduce-scatter, which NCCL and gloo
+        allow)."""
+        mine = slice(self.rank * self.chunk, (self.rank + 1) * self.chunk)
+        self.reduced = self.grads[mine] if self.flow else self.shard_buffer
+        return self.reduced
+
     def wait_reduced(self) -> None:
-        """Wait for the reduce-scatter in flight, from the CPU worker (to land it) or the training thread (to
-        free the flat buffer), whichever comes first; one thread waits on the work, the other on this lock."""
+        """Wait for the reduce-scatter in flight and land it, from the CPU worker (which steps it next) or the
+        training thread (to free the flat buffer), whichever comes first; one thread waits on the work, the other
+        on this lock. Landing before the buffer is freed keeps a flow bucket's in-place output alive for its copy."""
         with self._work_lock:
             if self.work is not None:
                 self.work.wait()
                 self.work = None
+                self.land(self.landing)
+                self.landing = None
 
     def release_grads(self) -> None:
         if self.grads is not None:
@@ -164,35 +189,67 @@ class DeviceShard:
     def land(self, bucket) -> None:
         """After the reduce-scatter: average on the device and copy this rank's shard into the host landing
         buffer (``bucket.grad``) on the "d2h" stream; ``bucket.wait_grads`` waits for it."""
-        self.shard_buffer.div_(self.world)   # gloo has no AVG; NCCL's would round the same way for W = 2^k
+        reduced, self.reduced = self.reduced, None
+        reduced.div_(self.world)   # gloo has no AVG; NCCL's would round the same way for W = 2^k
         rt = self.runtime
-        bucket.grad_event = rt.copy_async(bucket.grad, self.shard_buffer, rt.stream("d2h"))
-        bucket.traffic.add_copy("d2h", GRADIENT_LINK, self.shard_buffer)   # opt.traffic(): plan/transfers.py counts it
-        self.d2h_bytes += self.chunk * self.element_size
+        bucket.grad_event = rt.copy_async(bucket.grad, reduced, rt.stream("d2h"))
+        bucket.traffic.add_copy("d2h", GRADIENT_LINK, reduced)   # opt.traffic(): plan/transfers.py counts it
 
     # ------------------------------------------------------------------- weights
     def upload_shard(self, bucket) -> None:
         """The master shard, cast to the weights' dtype on the host (bf16: the pinned stage), into the shard
         buffer on the "h2d" stream; the compute stream waits for it (the all-gather or the window copy reads it)."""
-        bucket.before_host_write()        # the previous upload read the stage / master: it must be done
+        bucket.master_changed()           # the step wrote the master: the stage is cast again
         bucket.wait_grads()               # the gradient shard's D2H copy read the shard buffer
-        src = bucket.master
-        if self.stage is not None:
-            self.stage.copy_(bucket.master)
-            src = self.stage
         rt = self.runtime
-        event = rt.copy_async(self.shard_buffer, src, rt.stream("h2d"))
+        event = rt.copy_async(self.shard_buffer, self.host_source(bucket, self.dtype), rt.stream("h2d"))
         bucket.traffic.add_copy("h2d", WEIGHT_UPLOAD, self.shard_buffer)
-        self.h2d_bytes += self.chunk * self.element_size
         rt.wait_on_compute(event)
         bucket.upload_event, bucket._upload_waited = event, True
-        bucket.dirty, bucket._low_synced = False, True
+        bucket.dirty = False
+
+    def host_source(self, bucket, dtype: torch.dtype) -> torch.Tensor:
+        """What an upload of the shard in ``dtype`` reads: bf16, the pinned bf16 stage of the master shard (cast on
+        the host when the master changed since, ``_low_synced``: half the bytes cross); else the master shard
+        (the copy converts)."""
+        if self.stage is None or dtype != torch.bfloat16:
+            return bucket.master
+        if not bucket._low_synced:
+            bucket.before_host_write()    # the previous upload read the stage: it must be done
+            self.stage.copy_(bucket.master)
+            bucket._low_synced = True
+        return self.stage
+
+    def upload_into(self, bucket, window: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """A flow bucket's prefetch: this rank's master shard, in ``window``'s dtype (the plan's link dtype), up
+        into this rank's chunk of ``window`` (``padded`` elements) on the "h2d" stream; the all-gather fills the
+        rest (zero_device.fetch_window). Returns (that chunk, the copy's event); the next kernel step waits for it
+        before it rewrites the master (``before_host_write``)."""
+        mine = window[self.rank * self.chunk:(self.rank + 1) * self.chunk]
+        src = self.host_source(bucket, window.dtype)
+        rt = self.runtime
+        event = rt.copy_async(mine, src, rt.stream("h2d"))
+        bucket.traffic.add_copy("h2d", FLOW_FETCH, mine)
+        bucket.upload_event, bucket._upload_waited = event, True
+        return mine, event
 
     def refresh_window(self, bucket) -> None:
         """``upload()`` without a collective (a rollback, a load): this rank's window of the device weights
-        from its master shard; the other ranks' windows are theirs (the all-gather of ``publish`` fills them)."""
+        from its master shard; the other ranks' windows are theirs (the all-gather of ``publish`` fills them).
+        A flow bucket has no device weights to refresh: its next fetch reads the master (the stage is re-cast)."""
+        if self.flow:
+            bucket.master_changed()
+            bucket.dirty = False
+            return
         self.upload_shard(bucket)
         bucket.weights[self.lo:self.hi].copy_(self.shard_buffer[:self.hi - self.lo])
+
+    def gather_weights(self, bucket) -> None:
+        """Fill a flow bucket's (re-sized) device weights whole: a fetch outside a graph (``materialized``, a
+        collective: every rank materializes its buckets in the same order)."""
+        window = self.runtime.empty(self.padded, bucket.dtype)
+        self.pool.collectives.fetch_window(bucket, window)()
+        bucket.weights.copy_(window[:self.numel])
 
 
 def narrow_to_device_shard(bucket, rank: int, world: int) -> None:
@@ -219,21 +276,24 @@ def narrow_to_device_shard(bucket, rank: int, world: int) -> None:
     bucket.exp_avg, bucket.exp_avg_sq = (cut(t, MOMENTS, False) for t in (bucket.exp_avg, bucket.exp_avg_sq))
     bucket.master = cut(bucket.master, MASTER, bucket.dtype != torch.bfloat16)
     bucket.grad = _landing_buffer(bucket, shard.chunk)
-    weights = bucket.runtime.empty(shard.padded, bucket.dtype)
-    weights[:bucket.numel].copy_(bucket.weights)
-    weights[bucket.numel:].zero_()
-    bucket.weights = weights
-    for i, p in enumerate(bucket.params):
-        p.data = bucket._shaped(weights, i)
+    if not bucket.flow:   # a flow bucket's weights hold nothing between uses: its fetches gather whole windows
+        weights = bucket.runtime.empty(shard.padded, bucket.dtype)
+        weights[:bucket.numel].copy_(bucket.weights)
+        weights[bucket.numel:].zero_()
+        bucket.weights = weights
+        for i, p in enumerate(bucket.params):
+            p.data = bucket._shaped(weights, i)
     bucket.spare, bucket._stage16, bucket._stage_acc = None, None, None
     bucket._pending_adds.clear()
     bucket._views.clear()
     bucket.window, bucket.state_lo, bucket.host_lo = (lo, hi), lo, lo
+    bucket._low_synced = False   # the shard's bf16 stage is new: cast from the master at its first upload
     bucket.device_shard = shard
 
 
 def _landing_buffer(bucket, chunk: int) -> torch.Tensor:
-    return bucket.book_host(LANDING, bucket.runtime.host_buffer(chunk, landing_dtype(bucket.dtype)).zero_(), True)
+    dtype = landing_dtype(bucket.dtype, bucket.state_dtype)   # the device reduces in the weights' dtype
+    return bucket.book_host(LANDING, bucket.runtime.host_buffer(chunk, dtype).zero_(), True)
 
 
 def widen_from_gathered(bucket, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
