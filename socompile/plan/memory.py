@@ -205,6 +205,12 @@ def padded_numel(numels, align: int) -> int:
     return sum((n + align - 1) // align * align for n in numels)
 
 
+def plan_world(plan) -> int:
+    """The ZeRO ranks of ``plan``: its dp x sp degrees (every rank of the world group holds a shard)."""
+    predicted = dict(plan.predicted)
+    return max(1, int(predicted.get("dp_degree", 1))) * max(1, int(predicted.get("sp_degree", 1)))
+
+
 def runtime_device_bytes(plan, ir, align: int | None = None) -> dict:
     """The device bytes the runtime itself holds (runtime/memory.py books the same tensors): weights of
     stationary buckets, fp32 master + gradient + Adam moments of device-site buckets, the fp32 upload staging of
@@ -213,7 +219,6 @@ def runtime_device_bytes(plan, ir, align: int | None = None) -> dict:
     and graph temporaries are not the runtime's. Returns {"peak", "fixed", "flow_peak", "flow_phase_peak",
     "parts"}."""
     from .flow_schedule import flow_peak, flow_schedule
-    from .transfers import plan_world   # (transfers imports this module)
     align = ALIGN if align is None else align
     weight_bytes = plan.prediction("param_dtype_bytes", 4)
     world = plan_world(plan)

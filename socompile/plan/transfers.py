@@ -32,7 +32,7 @@ from ..dtypes import dtype_name
 from ..ledger_names import ACTIVATION_FETCH, ACTIVATION_OFFLOAD, FLOW_FETCH, GRADIENTS, WEIGHT_UPLOAD
 from ..options import OFFLOADED_CHOICES
 from .bucketize import ALIGN
-from .memory import device_cast_buckets, padded_numel
+from .memory import device_cast_buckets, padded_numel, plan_world
 
 
 
@@ -73,12 +73,6 @@ def bucket_transfers(plan, param_numels: dict[str, int] | None = None, align: in
         upload = "float32" if weight_bytes == 4 or b.index in device_cast else dtype_name(weight_bytes)
         out.append(Transfer(b.index, "h2d", upload, WEIGHT_UPLOAD, laid_out * _bytes(upload), "step"))
     return out
-
-
-def plan_world(plan) -> int:
-    """The ZeRO ranks of ``plan``: its dp x sp degrees (every rank of the world group holds a shard)."""
-    predicted = dict(plan.predicted)
-    return max(1, int(predicted.get("dp_degree", 1))) * max(1, int(predicted.get("sp_degree", 1)))
 
 
 def _zero_transfers(b, laid_out: int, weight_bytes: int, world: int) -> list[Transfer]:
