@@ -91,6 +91,12 @@ class Options:
     else OMP_NUM_THREADS, else all cores)."""
     speculate: bool = True
     """Start each CPU bucket's step as soon as its gradients are complete, before validation."""
+    clipping: bool | None = None
+    """Whether the training step clips gradients (socompile.AdamW's max_grad_norm set). With clipping every CPU
+    step speculated during backward is redone after validation, and the planner optimises that step (its GPU
+    bucket count and the rest), not the unclipped one. None: read from the optimizer that owns the compiled
+    parameters; False when planning without one (python -m socompile plan: set it, or SOCOMPILE_CLIPPING=1, to
+    plan a clipped run)."""
     on_graph_break: str = "warn"
     """On a graph break inside the compiled region: 'warn' (log where, with the source line), 'error', 'ignore'."""
     recompile_warn_after: int = 4
@@ -249,7 +255,7 @@ def _coerce_env(name: str, raw: str, hint: Any) -> Any:
     args = typing.get_args(hint)
     if raw.lower() in ("none", "") and type(None) in args:
         return None
-    if hint is bool:
+    if hint is bool or bool in args:   # bool, or bool | None (clipping)
         if raw.lower() in ("1", "true", "yes", "on"):
             return True
         if raw.lower() in ("0", "false", "no", "off"):

@@ -96,7 +96,16 @@ def plan_once(ctx: CompileContext) -> None:
     and every prefetch distance included. The only call of the planner in a compile."""
     from .plan import get_profile, plan
     with timed("plan"):
-        ctx.plan = plan(ctx.ir, get_profile(ctx.options.target), ctx.options)
+        ctx.plan = plan(ctx.ir, get_profile(ctx.options.target), planning_options(ctx))
+
+
+def planning_options(ctx: CompileContext):
+    """The options the planner sees: ``clipping`` left unset is the owning optimizer's (max_grad_norm set or
+    not), so the plan optimises the step that will run."""
+    import dataclasses
+    if ctx.options.clipping is not None or ctx.optimizer is None:
+        return ctx.options
+    return dataclasses.replace(ctx.options, clipping=getattr(ctx.optimizer, "max_grad_norm", None) is not None)
 
 
 def lay_out_activations(ctx: CompileContext, fw: fx.GraphModule, bw: fx.GraphModule, infos, joint) -> Graphs:

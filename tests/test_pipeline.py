@@ -30,12 +30,12 @@ def planner_calls(monkeypatch):
     return calls
 
 
-def _compile_one_step(**options):
+def _compile_one_step(max_grad_norm=None, **options):
     """Compile the 2-layer tiny model with a socompile.AdamW and run one forward and backward."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = build("tiny", n_layers=2)
-    opt = socompile.AdamW(model.parameters(), lr=1e-3, bucket_size="256KB")
+    opt = socompile.AdamW(model.parameters(), lr=1e-3, bucket_size="256KB", max_grad_norm=max_grad_norm)
     backend = socompile.SuperOffload({"compute": "eager", "gpu_buckets": 0, "bucket_size": "256KB", **options})
     x, y = batches(1)[0]
     lm_loss(torch.compile(model, backend=backend)(x), y).backward()
@@ -57,9 +57,26 @@ def test_a_compile_with_recomputed_layers_plans_once(planner_calls, compute):
 def test_a_compile_with_offloaded_layers_plans_once_and_binds_the_activation_runtime(planner_calls):
     ctx = _compile_one_step(activation_layers={"layers.0": "recompute", "layers.1": "offload"})
     assert len(planner_calls) == 1
+    assert planner_calls[0].clipping is False      # the optimizer does not clip: the unclipped step is planned
+    assert not any(d.startswith("objective:") for d in ctx.plan.decisions)
     assert dict(ctx.plan.activations) == {"layers.0": "recompute", "layers.1": "offload"}
     assert ctx.activation_offload is not None and ctx.offload.activations is ctx.activation_offload
     assert ctx.activation_offload.stats["offloaded_tensors"] > 0
+
+
+def test_a_compile_plans_for_the_step_its_optimizer_runs_clipped_or_not(planner_calls):
+    """options.clipping left unset is the owning optimizer's max_grad_norm: the planner optimises the clipped
+    step (every speculated CPU step redone) only when the optimizer clips."""
+    clipped = _compile_one_step(max_grad_norm=1.0)
+    assert [o.clipping for o in planner_calls] == [True]
+    assert any(d.startswith("objective: the clipped step") for d in clipped.plan.decisions)
+    # (an optimizer without max_grad_norm plans unclipped: see the offload test above, which compiles one)
+
+
+def test_the_clipping_option_reads_true_false_or_none_from_the_environment():
+    # offline planning of a clipped run: SOCOMPILE_CLIPPING=1 python -m socompile plan ...
+    assert [Options.resolve(environ={"SOCOMPILE_CLIPPING": v}).clipping for v in ("1", "off", "none")] == \
+        [True, False, None]
 
 
 def test_offline_planning_plans_once(planner_calls):

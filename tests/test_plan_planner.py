@@ -89,6 +89,27 @@ def test_symbolic_trace_reports_peak_memory_as_a_formula_of_batch_and_seq():
     assert "batch*seq" in p.prediction("device_peak_formula")
 
 
+def test_with_clipping_the_planner_optimises_the_clipped_step():
+    """With clipping every CPU step speculated during backward is redone after validation: the planner's GPU
+    bucket count is the best for that step (not the unclipped one's), and its predicted step is that step's."""
+    from socompile.perf.simulate import simulate
+    from socompile.plan.planner import plan_with_details
+    ir = traced()
+    # a device fast enough that its buckets finish during backward, while CPU steps redone after it are exposed
+    hw = profile(device_bf16_flops=2e12, device_bandwidth=4e11)
+    unclipped = plan_with_details(ir, hw, options(bucket_size="256KB"))
+    clipped = plan_with_details(ir, hw, options(bucket_size="256KB", clipping=True))
+    redo = simulate(clipped.plan, clipped.costs, clipped.cost, speculation="redo").step_time
+    assert clipped.plan.prediction("step_time_s") == round(redo, 6)
+    n = len(clipped.plan.buckets)
+    times = [plan(ir, hw, options(bucket_size="256KB", clipping=True, gpu_buckets=k)).prediction("step_time_s")
+             for k in range(n + 1)]
+    assert clipped.plan.prediction("step_time_s") == min(times)
+    # the objective changed the decision, and the clipped step is faster than with the unclipped plan's count
+    assert clipped.plan.prediction("gpu_buckets") > unclipped.plan.prediction("gpu_buckets")
+    assert redo < simulate(unclipped.plan, unclipped.costs, unclipped.cost, speculation="redo").step_time
+
+
 def test_automatic_gpu_bucket_count_is_at_least_as_fast_as_every_hand_set_count():
     ir = traced()
     hw = profile(device_bf16_flops=2e11, device_bandwidth=4e10)

@@ -55,6 +55,30 @@ def test_calibrate_measures_this_machine_and_writes_a_loadable_profile(tmp_path)
     assert load_profile(save_profile(hw, tmp_path / "me.json")) == hw
 
 
+def test_target_this_machine_without_a_cached_profile_calibrates_on_real_tensors_and_caches_it(tmp_path,
+                                                                                                monkeypatch):
+    """The first compile for ``this-machine`` measures the machine from inside the compile, where AOTAutograd's
+    fake mode is active: the measurement must still time real buffers, and be cached where
+    ``python -m socompile calibrate`` caches it (SOCOMPILE_PROFILE_DIR points that cache at tmp_path)."""
+    import torch
+
+    import socompile
+    from socompile.hardware.profiles import THIS_MACHINE, profile_cache_path
+    monkeypatch.setenv("SOCOMPILE_PROFILE_DIR", str(tmp_path))
+    assert not profile_cache_path().exists()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    opt = socompile.AdamW(model.parameters(), lr=1e-3)
+    backend = socompile.SuperOffload({"compute": "eager", "gpu_buckets": 0, "target": THIS_MACHINE})
+    torch.compile(model, backend=backend)(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    assert backend.compiled[0].plan.target == THIS_MACHINE
+    cached = load_profile(profile_cache_path())
+    assert cached.name == THIS_MACHINE and "measured by socompile calibrate (quick" in cached.source
+    assert cached.host_bandwidth > 1e8 and cached.cpu_adam_bandwidth > 1e8
+    assert get_profile(THIS_MACHINE) == cached   # later compiles read the cache
+
+
 def test_interconnect_numbers_and_which_fabric_a_group_uses():
     hw = PROFILES["gh200"]
     assert hw.inter_node_bandwidth == 400e9 / 8           # NDR 400 Gb/s per Superchip, per direction

@@ -18,10 +18,7 @@ def get_profile(name: str) -> HardwareProfile:
         cached = profile_cache_path()
         if cached.exists():
             return load_profile(cached)
-        from .calibrate import calibrate
-        profile = calibrate(quick=True)
-        save_profile(profile, cached)
-        return profile
+        return _calibrate_and_cache(cached)
     if name.endswith((".json", ".toml")) or os.sep in name:
         if not os.path.exists(name):
             raise ValueError(f"hardware profile file {name!r} does not exist")
@@ -32,3 +29,17 @@ def get_profile(name: str) -> HardwareProfile:
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise ValueError(f"unknown target {name!r}{hint}; known targets: {', '.join(known)}, or a .json/.toml "
                      f"profile file")
+
+
+def _calibrate_and_cache(path) -> HardwareProfile:
+    """Measure this machine as ``python -m socompile calibrate --quick`` does and cache the profile at ``path``.
+
+    A compile asks for the profile while AOTAutograd's fake mode (and functionalization) is active, where the
+    measuring buffers would be fake tensors with no memory to time: the measurement runs with no mode active."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from .calibrate import calibrate
+    with _disable_current_modes():
+        profile = calibrate(quick=True)
+    save_profile(profile, path)
+    return profile

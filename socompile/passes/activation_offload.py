@@ -104,6 +104,13 @@ def _root(node: fx.Node) -> fx.Node:
     return node
 
 
+def _layer_of_saved(node: fx.Node, layers) -> str | None:
+    """The layer whose saved tensor ``node`` is. The partitioner saves some outputs through a view it adds
+    itself (a ``detach`` of the attention output), which has no module stack: such a view belongs to the layer
+    of the tensor it views, as the plan's graph analysis counts it (perf/analysis.py: saved bytes by root)."""
+    return layer_of(node, layers) or layer_of(_root(node), layers)
+
+
 def activation_offload_forward(gm: fx.GraphModule, plan, ctx) -> tuple[fx.GraphModule, OffloadedActivations]:
     from ..runtime.activation_offload import offloadable
     layers = [layer for layer, choice in plan.activations if choice in OFFLOADED]
@@ -133,7 +140,7 @@ def activation_offload_forward(gm: fx.GraphModule, plan, ctx) -> tuple[fx.GraphM
         val = arg.meta.get("val")
         if not isinstance(val, torch.Tensor) or not offloadable(val) or _root(arg).op == "placeholder":
             continue
-        layer = layer_of(arg, layers)
+        layer = _layer_of_saved(arg, layers)
         if layer is None:
             continue
         index = per_layer.get(layer, 0)

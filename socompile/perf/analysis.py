@@ -50,6 +50,11 @@ class LayerCosts:
     attention_time: float = 0.0  # seconds of its attention kernels in forward (not re-run by "selective")
     attention_saved: float = 0.0  # bytes of its saved attention outputs (out, logsumexp: kept by "selective")
     attention_saved_expr: object = 0
+    # (dtype, bytes) of what crosses the link when the layer offloads: all its saved tensors ("offload"), or
+    # its input and attention outputs ("selective_offload"). A bf16 model saves some fp32 tensors (a norm's
+    # rsqrt, attention's logsumexp), so one dtype per layer would mislabel them.
+    saved_by_dtype: tuple = ()
+    selective_by_dtype: tuple = ()
 
 
 @dataclasses.dataclass
@@ -96,6 +101,17 @@ def _sum(exprs) -> object:
         else:
             symbolic.append(e)
     return sympy.Add(ints, *symbolic) if symbolic else ints
+
+
+def _by_dtype(ir: IR, cost: CostModel, keys) -> tuple[tuple[str, float], ...]:
+    """(dtype, bytes) of the IR nodes ``keys``, summed per dtype and sorted by name (dtype as the traffic ledger
+    names it: "bfloat16", "float32", ...)."""
+    out: dict[str, float] = {}
+    for key in keys:
+        data = ir.graph.nodes[key]
+        dtype = str(data.get("dtype", "")).removeprefix("torch.")
+        out[dtype] = out.get(dtype, 0.0) + cost.value(data["bytes"])
+    return tuple(sorted(out.items()))
 
 
 def _scaled(expr, factor: int):
@@ -156,7 +172,9 @@ def analyze(ir: IR, cost: CostModel, token_shard: int = 1) -> GraphCosts:
         layers = [dataclasses.replace(lc, saved=lc.saved / shard, saved_expr=_scaled(lc.saved_expr, shard),
                                       boundary=lc.boundary / shard, boundary_expr=_scaled(lc.boundary_expr, shard),
                                       attention_saved=lc.attention_saved / shard,
-                                      attention_saved_expr=_scaled(lc.attention_saved_expr, shard))
+                                      attention_saved_expr=_scaled(lc.attention_saved_expr, shard),
+                                      saved_by_dtype=tuple((d, b / shard) for d, b in lc.saved_by_dtype),
+                                      selective_by_dtype=tuple((d, b / shard) for d, b in lc.selective_by_dtype))
                   for lc in layers]
     attention = {ph: tuple(i for i, k in enumerate(order) if nodes[k]["kind"] == "call_function"
                            and op_class(nodes[k]["op"], nodes[k].get("is_view", False)) == "attention")
@@ -247,6 +265,7 @@ def _checkpoint_estimate(ir: IR, cost: CostModel, saved_roots: list[str], fw_tim
     group_of_pos: list[str | None] = []
     current = None
     boundary: dict[str, object] = {}
+    boundary_key: dict[str, str] = {}     # the node whose bytes are the layer's input
     layer_time: dict[str, float] = {}
     for i, key in enumerate(ir.fw_order):
         data = g.nodes[key]
@@ -256,6 +275,8 @@ def _checkpoint_estimate(ir: IR, cost: CostModel, saved_roots: list[str], fw_tim
             if group != current and group not in boundary and re.search(r"\.\d+$", group):
                 inputs = [p for p in g.predecessors(key) if p not in weights]
                 boundary[group] = g.nodes[inputs[0]]["bytes"] if inputs else 0
+                if inputs:
+                    boundary_key[group] = inputs[0]
             current = group
         group_of_pos.append(current)
         if current is not None and current in boundary:
@@ -289,12 +310,15 @@ def _checkpoint_estimate(ir: IR, cost: CostModel, saved_roots: list[str], fw_tim
         lasts = [last_use[r] - n_fw for r in roots if last_use and r in last_use]
         bw_span = (min(firsts), max(lasts) + 1) if firsts and lasts else (0, 0)
         bw_time = bw_prefix[bw_span[1]] - bw_prefix[bw_span[0]] if bw_times else 0.0
-        attn_expr = _sum(g.nodes[r]["bytes"] for r in roots if r in attention_out)
+        attention_roots = [r for r in roots if r in attention_out]
+        attn_expr = _sum(g.nodes[r]["bytes"] for r in attention_roots)
+        checkpoints = [boundary_key[name], *attention_roots] if name in boundary_key else attention_roots
         attn_time = sum(fw_times[i] for i in spots if is_attention(ir.fw_order[i]))
         layers.append(LayerCosts(name=name, fw_span=(min(spots), max(spots) + 1), bw_span=bw_span,
                                  saved=cost.value(saved_per_layer.get(name, 0)),
                                  saved_expr=saved_per_layer.get(name, 0), boundary=cost.value(boundary[name]),
                                  boundary_expr=boundary[name], fw_time=layer_time.get(name, 0.0), bw_time=bw_time,
                                  attention_time=attn_time, attention_saved=cost.value(attn_expr),
-                                 attention_saved_expr=attn_expr))
+                                 attention_saved_expr=attn_expr, saved_by_dtype=_by_dtype(ir, cost, roots),
+                                 selective_by_dtype=_by_dtype(ir, cost, checkpoints)))
     return kept, saved_per_layer, sum(layer_time.values()), layers

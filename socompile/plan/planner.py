@@ -120,13 +120,15 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
     if world > 1:
         decisions.append(_parallel_line(template))
     ctx, base, recompute = _fitting_buckets(template, order, decisions)
-
+    if options.clipping:
+        decisions.append("objective: the clipped step (options.clipping, the optimizer's max_grad_norm): every CPU "
+                         "step speculated during backward is redone after validation")
     best = _choose_gpu_buckets(ctx, base, recompute, decisions)
     buckets, memory, sim = best
     pinned = _apply_pins(ctx, buckets, decisions)
     if pinned != buckets:
         buckets, memory = pinned, _device(ctx, pinned)
-        sim = simulate(_plan_of(ctx, buckets, recompute, ()), costs, cost)
+        sim = simulate(_plan_of(ctx, buckets, recompute, ()), costs, cost, speculation=_speculation(options))
         if memory.device_peak > budget:
             raise PlanError(f"the pinned weight placement (weight_mode={options.weight_mode!r}, prefetch_distance="
                             f"{options.prefetch_distance}) needs {human_bytes(memory.device_peak)} of device memory, "
@@ -182,6 +184,13 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
     from .verify import verify
     verify(final, ir, hw)   # a failure here is a planner bug: never hand an unsafe plan to the passes
     return PlanDetails(final, cost, costs, sim, zero)
+
+
+def _speculation(options: Options) -> str:
+    """The step the planner simulates and optimises (perf/simulate.py ``speculation``) is the one that will run:
+    with clipping, validation clips every step, so each CPU bucket step speculated during backward is taken
+    again after it ("redo", the clipped step's worst case); else the speculated steps are committed ("on")."""
+    return "redo" if options.clipping else "on"
 
 
 def _per_rank_profile(hw: HardwareProfile, world: int) -> HardwareProfile:
@@ -383,7 +392,8 @@ def _choose_gpu_buckets(ctx: _Context, base, recompute: str, decisions: list[str
             results[k] = None
             return None
         buckets, memory = made
-        sim = simulate(_plan_of(ctx, buckets, recompute, ()), ctx.costs, ctx.cost)
+        sim = simulate(_plan_of(ctx, buckets, recompute, ()), ctx.costs, ctx.cost,
+                       speculation=_speculation(ctx.options))
         results[k] = (buckets, memory, sim)
         return results[k]
 

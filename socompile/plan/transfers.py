@@ -87,21 +87,27 @@ def _zero_transfers(b, laid_out: int, weight_bytes: int, world: int) -> list[Tra
 
 
 def activation_transfers(plan, layers) -> list[Transfer]:
-    """Per offloaded layer (``Plan.activations``), its saved tensors out in forward and back in backward, each
-    micro-batch: all of them ("offload"), or the checkpoints a selective layer keeps ("selective_offload": its
-    input and its attention outputs). ``layers``: perf/analysis.py LayerCosts; dtype: the activations' (the
-    parameters' dtype)."""
+    """Per offloaded layer (``Plan.activations``) and dtype, its saved tensors out in forward and back in backward,
+    each micro-batch: all of them ("offload"), or the checkpoints a selective layer keeps ("selective_offload": its
+    input and its attention outputs). ``layers``: perf/analysis.py LayerCosts; dtype: each saved tensor's own (a
+    bf16 model saves some fp32 tensors), as the runtime books each copy."""
     choices = dict(plan.activations)
-    dtype = dtype_name(plan.prediction("param_dtype_bytes", 4))
     out: list[Transfer] = []
     for lc in layers:
         choice = choices.get(lc.name, "keep")
         if choice not in OFFLOADED_CHOICES:
             continue
-        nbytes = int(offloaded_bytes(lc, choice))
-        out.append(Transfer(None, "d2h", dtype, ACTIVATION_OFFLOAD, nbytes, "micro-batch", lc.name))
-        out.append(Transfer(None, "h2d", dtype, ACTIVATION_FETCH, nbytes, "micro-batch", lc.name))
+        for dtype, nbytes in offloaded_by_dtype(lc, choice, plan):
+            out.append(Transfer(None, "d2h", dtype, ACTIVATION_OFFLOAD, int(nbytes), "micro-batch", lc.name))
+            out.append(Transfer(None, "h2d", dtype, ACTIVATION_FETCH, int(nbytes), "micro-batch", lc.name))
     return out
+
+
+def offloaded_by_dtype(lc, choice: str, plan) -> tuple[tuple[str, float], ...]:
+    """(dtype, bytes) an offloaded layer moves each way; a LayerCosts without the split (made by hand) is taken
+    as all in the parameters' dtype."""
+    split = lc.saved_by_dtype if choice == "offload" else lc.selective_by_dtype
+    return split or ((dtype_name(plan.prediction("param_dtype_bytes", 4)), offloaded_bytes(lc, choice)),)
 
 
 def offloaded_bytes(lc, choice: str) -> float:
