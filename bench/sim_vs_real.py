@@ -81,6 +81,19 @@ def calibrated_profile_path(directory: str, as_gpu: bool = False, clock: str = "
     return str(save_profile(profile, os.path.join(directory, "this-machine.json")))
 
 
+def describe_profile(path: str) -> str:
+    """The calibrated numbers the simulator charges by (a ratio far off is often a noisy calibration)."""
+    from socompile.hardware.profiles import load_profile
+    hw = load_profile(path)
+    attention = {(r.kernel, r.dtype): r.rate for r in hw.device_kernel_rates if (r.seq, r.head_dim) == (128, 32)}
+    parts = [f"device bandwidth {hw.device_bandwidth / 1e9:.1f} GB/s", f"CPU Adam {hw.adam_bandwidth / 1e9:.1f} GB/s",
+             f"matmul bf16 {hw.device_bf16_flops / 1e9:.0f} fp32 {hw.device_fp32_flops / 1e9:.0f} GFLOP/s",
+             f"op latency {hw.device_op_latency * 1e6:.1f} us",
+             f"bf16 elementwise x{hw.elementwise_slowdown('torch.bfloat16'):.2f}"]
+    parts += [f"{kernel} {dtype[6:]} {rate / 1e9:.1f}" for (kernel, dtype), rate in sorted(attention.items())]
+    return "# profile: " + ", ".join(parts) + (" (attention GFLOP/s at 128 x 32)" if attention else "")
+
+
 def set_threads(threads: int) -> None:
     """The compute's and the CPU Adam kernel's threads (calibration measures with the same)."""
     torch.set_num_threads(threads)
@@ -166,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         target = args.target or calibrated_profile_path(tmp, args.as_gpu, args.clock)
+        print(describe_profile(target), flush=True)
         for preset in args.presets.split(","):
             data = ByteBatches(stdlib_corpus(400_000), args.batch, args.seq, seed=0)
             for case in chosen:

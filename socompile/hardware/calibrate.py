@@ -7,14 +7,26 @@ What is measured, and how:
 - copy rates "host->device" and "device->host": on a CUDA machine, pinned-memory copies; without a GPU the
   "device" is this CPU (DESIGN section 5), so a copy between two host buffers.
 Device FLOP/s is measured as a bf16 and an fp32 matmul on the device (on a CPU this is slow and is what the
-plan gets; fp32 models compute at the fp32 rate, a third of bf16 on this AVX512-BF16 CPU).
+plan gets; fp32 models compute at the fp32 rate, a third of bf16 on this AVX512-BF16 CPU). On a CPU "device"
+also: the attention kernels' FLOP/s per direction, dtype and query shape, and elementwise bytes/s per dtype
+(``device_kernel_rates``; measure_kernel_rates says what and why).
 """
 from __future__ import annotations
 
 import os
 import time
 
-from .profiles import ADAM_BYTES_FP32_GRAD, GB, THIS_MACHINE, HardwareProfile
+from .profiles import ADAM_BYTES_FP32_GRAD, GB, THIS_MACHINE, HardwareProfile, KernelRate
+
+# Query shapes (tokens, head dim) at which the CPU attention kernels are measured: their FLOP rate depends on
+# both (bf16 backward: ~9 GFLOP/s at 128 x 32, ~40 at 512 x 128 on one AVX512-BF16 core); the simulator
+# interpolates between them. (batch x heads) slices of ATTENTION_TOKENS // seq tokens each: the rate per slice
+# does not depend on their number, once a call is long enough that its fixed costs do not count.
+ATTENTION_SHAPES = ((128, 32), (128, 128), (512, 32), (512, 128))
+ATTENTION_TOKENS = 2048
+# Operand size of the elementwise measurement: one layer's activations of a model a CPU trains, which sit in the
+# caches, where converting bf16 to fp32 and back costs more than the bytes (bf16: ~2.5x the time per byte of fp32).
+ELEMENTWISE_BYTES = 2**20
 
 
 def _best_of(fn, repeats: int, clock=time.perf_counter) -> float:
@@ -92,6 +104,61 @@ def measure_matmul_flops(n: int, device: str = "cpu", repeats: int = 2, dtype=No
     return 2 * n**3 / _best_of(run, repeats, clock)
 
 
+def measure_attention_flops(seq: int, head_dim: int, dtype, backward: bool, repeats: int = 2,
+                            clock=time.perf_counter) -> float:
+    """FLOP/s of the CPU's causal flash attention kernel (forward, or the backward kernel) for a query of ``seq``
+    x ``head_dim``, as a transformer lays q, k, v out ((batch, seq, heads, dim) transposed); FLOPs counted as the
+    simulator counts them (capture/sizes.py: torch's formulas, lower triangle only)."""
+    import torch
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    from ..capture.sizes import causal_fraction
+    aten = torch.ops.aten
+    slices = max(1, ATTENTION_TOKENS // seq)
+    q, k, v = (torch.randn(1, seq, slices, head_dim).to(dtype).transpose(1, 2) for _ in range(3))
+    shape = q.shape
+    out, logsumexp = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+    grad = torch.randn_like(out)
+    if backward:
+        seconds = _best_of(lambda: aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, logsumexp, 0.0, True), repeats, clock)
+        flops = sdpa_backward_flop_count(shape, shape, shape, shape)
+    else:
+        seconds = _best_of(lambda: aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True), repeats,
+                           clock)
+        flops = sdpa_flop_count(shape, shape, shape)
+    return flops * float(causal_fraction(seq)) / seconds
+
+
+def measure_elementwise_bandwidth(dtype, nbytes: int = ELEMENTWISE_BYTES, repeats: int = 5,
+                                  clock=time.perf_counter) -> float:
+    """Bytes/s (two read, one written) of ``a * b`` in ``dtype`` on ``nbytes`` operands."""
+    import torch
+    a = torch.rand(nbytes // 4).to(dtype)
+    b = torch.rand(nbytes // 4).to(dtype)
+    out = torch.empty_like(a)
+    inner = 20   # one multiply of a cache-resident megabyte is ~10 us: time a batch
+
+    def run():
+        for _ in range(inner):
+            torch.mul(a, b, out=out)
+    return 3 * a.numel() * a.element_size() * inner / _best_of(run, repeats, clock)
+
+
+def measure_kernel_rates(clock=time.perf_counter) -> tuple[KernelRate, ...]:
+    """A CPU "device"'s rates that one FLOP rate and one bandwidth do not give: the attention kernels per
+    direction, dtype and shape, and elementwise throughput per dtype."""
+    import torch
+    rates = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for seq, head_dim in ATTENTION_SHAPES:
+            for kernel, backward in (("attention", False), ("attention_backward", True)):
+                rates.append(KernelRate(kernel, str(dtype), measure_attention_flops(seq, head_dim, dtype, backward,
+                                                                                    clock=clock), seq, head_dim))
+        rates.append(KernelRate("elementwise", str(dtype), measure_elementwise_bandwidth(dtype, clock=clock)))
+    return tuple(rates)
+
+
 def measure_op_latency(repeats: int = 200, clock=time.perf_counter) -> float:
     """Seconds of one tiny op on the CPU (dispatch, no data): what each kernel of a CPU "device" costs on top
     of its bytes and FLOPs."""
@@ -127,6 +194,7 @@ def calibrate(quick: bool = False, name: str = THIS_MACHINE, clock=time.perf_cou
         flops = measure_matmul_flops(4096 if quick else 8192, device="cuda")
         fp32_flops = measure_matmul_flops(4096 if quick else 8192, device="cuda", dtype=torch.float32)
         op_latency = 0.0   # launches are queued ahead of the GPU: hidden
+        kernel_rates = ()  # datasheet rates x efficiency, as the shipped GPU profiles
         dev_mem, where = props.total_memory, f"GPU {props.name}"
     else:
         # DESIGN section 5: without a GPU the device is this CPU; "link" copies are host memcpy (moved bytes).
@@ -135,11 +203,12 @@ def calibrate(quick: bool = False, name: str = THIS_MACHINE, clock=time.perf_cou
         flops = measure_matmul_flops(512 if quick else 1024, clock=clock)
         fp32_flops = measure_matmul_flops(512 if quick else 1024, dtype=torch.float32, clock=clock)
         op_latency = measure_op_latency(clock=clock)
+        kernel_rates = measure_kernel_rates(clock=clock)
         dev_mem, where = _host_memory() // 2, "no GPU: the device is this CPU"
     return HardwareProfile(
         name=name, device_memory=int(dev_mem), device_bandwidth=dev_bw, device_bf16_flops=flops,
         host_memory=_host_memory(), host_bandwidth=host_bw, host_cores=cores, link_bandwidth=h2d,
         link_latency=10e-6, cpu_adam_bandwidth=adam_bw, device_reserved=0 if not torch.cuda.is_available() else GB,
         link_bandwidth_d2h=d2h, device_is_host=not torch.cuda.is_available(), device_fp32_flops=fp32_flops,
-        device_op_latency=op_latency,
+        device_op_latency=op_latency, device_kernel_rates=kernel_rates,
         source=f"measured by socompile calibrate ({'quick' if quick else 'full'}; {where}; CPU Adam: {adam_kind})")

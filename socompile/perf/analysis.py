@@ -126,7 +126,8 @@ def analyze(ir: IR, cost: CostModel, token_shard: int = 1) -> GraphCosts:
                 continue
             moved = cost.value(data["bytes"]) + sum(cost.value(nodes[p]["bytes"]) for p in g.predecessors(key))
             flops = cost.value(data["flops"])
-            out.append(float(cost.node_time(cls, flops / shard, moved / shard, data.get("dtype", ""))))
+            out.append(float(cost.node_time(cls, flops / shard, moved / shard, data.get("dtype", ""), data["op"],
+                                            data.get("attention_dims"))))
         return out
 
     fw_times, bw_times = times(ir.fw_order), times(ir.bw_order)

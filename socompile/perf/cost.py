@@ -6,7 +6,9 @@ expression at the trace's shapes (or any other shapes) and caches it, so a 20k-n
 distinct size expressions costs a few hundred sympy evaluations.
 
     node time       = op latency + max(flops / (peak_flops[dtype] * eff[class]), bytes_moved / (hbm_bw * eff_mem))
-                      (op latency: 0 on a GPU, whose launches are queued ahead; a CPU "device" pays its dispatch)
+                      (op latency: 0 on a GPU, whose launches are queued ahead; a CPU "device" pays its dispatch;
+                      a calibrated CPU device: attention at its measured FLOP/s for the direction, dtype and
+                      shape, elementwise bytes x the dtype's measured slowdown against fp32)
     transfer time   = latency + bytes / link_bw(direction)
     CPU Adam time   = numel * bytes_per_param / cpu_adam_bw       (28 B/param fp32, 26 with bf16 grads, +2 bf16 copy)
     GPU Adam time   = numel * 30 / (hbm_bw * eff_mem)             (fused AdamW + bf16 weight copy, same streams)
@@ -79,17 +81,31 @@ class CostModel:
         return self.symbol_values[name]
 
     # ---------------------------------------------------------------- formulas
-    def node_time(self, op_cls: str, flops, bytes_moved, dtype: str = ""):
+    def node_time(self, op_cls: str, flops, bytes_moved, dtype: str = "", op: str = "", attention_dims=None):
         """Seconds of one kernel: compute- or bandwidth-bound, whichever is slower (roofline), at the FLOP rate
-        of the dtype it computes in (``str(torch dtype)`` of its output; "" for the bf16 rate)."""
+        of the dtype it computes in (``str(torch dtype)`` of its output; "" for the bf16 rate). An attention
+        kernel (``op`` its name, ``attention_dims`` its query's (tokens, head dim)) runs at the profile's
+        measured rate for its direction, dtype and shape where it has one; an elementwise kernel in a dtype
+        the profile measured slower than fp32 takes that much longer than its bytes."""
         if op_cls == "free":
             return 0
         hw = self.hw
         memory = bytes_moved / (hw.device_bandwidth * EFFICIENCY["memory"])
         if op_cls == "memory" or flops == 0:
-            return hw.device_op_latency + memory
-        compute = flops / (hw.matmul_flops(dtype) * EFFICIENCY[op_cls])
+            return hw.device_op_latency + memory * hw.elementwise_slowdown(dtype)
+        compute = flops / self.flop_rate(op_cls, dtype, op, attention_dims)
         return hw.device_op_latency + _max(compute, memory)
+
+    def flop_rate(self, op_cls: str, dtype: str = "", op: str = "", attention_dims=None) -> float:
+        """Achieved FLOP/s of a compute kernel: an attention kernel's measured rate (already achieved: no
+        efficiency factor) where the profile has one, else the datasheet rate times the class's efficiency."""
+        if op_cls == "attention" and attention_dims is not None:
+            kernel = "attention_backward" if "backward" in op else "attention"
+            seq, head_dim = (self.value(d) for d in attention_dims)
+            measured = self.hw.attention_flops(kernel, dtype, seq, head_dim)
+            if measured:
+                return measured
+        return self.hw.matmul_flops(dtype) * EFFICIENCY[op_cls]
 
     def transfer_time(self, nbytes, direction: str = "h2d"):
         """Seconds to move ``nbytes`` over the link; direction 'h2d' or 'd2h'."""
