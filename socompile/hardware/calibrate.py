@@ -24,6 +24,11 @@ from .profiles import ADAM_BYTES_FP32_GRAD, GB, THIS_MACHINE, HardwareProfile, K
 # does not depend on their number, once a call is long enough that its fixed costs do not count.
 ATTENTION_SHAPES = ((128, 32), (128, 128), (512, 32), (512, 128))
 ATTENTION_TOKENS = 2048
+# Sides of the square matmuls measured per dtype: a CPU's matmul rate grows with the size (bf16 on one core:
+# ~95 GFLOP/s at 128, ~190 at 512); the simulator takes a matmul node at the side of its FLOPs' cube. Their
+# operands are cycled through MATMUL_OPERAND_BYTES, more than a core's L2 cache (measure_cold_matmul_flops).
+MATMUL_SIDES = (128, 256, 512)
+MATMUL_OPERAND_BYTES = 16 * 2**20
 # Operand size of the elementwise measurement: one layer's activations of a model a CPU trains, which sit in the
 # caches, where converting bf16 to fp32 and back costs more than the bytes (bf16: ~2.5x the time per byte of fp32).
 ELEMENTWISE_BYTES = 2**20
@@ -104,6 +109,21 @@ def measure_matmul_flops(n: int, device: str = "cpu", repeats: int = 2, dtype=No
     return 2 * n**3 / _best_of(run, repeats, clock)
 
 
+def measure_cold_matmul_flops(n: int, dtype, operand_bytes: int = MATMUL_OPERAND_BYTES, repeats: int = 2,
+                               clock=time.perf_counter) -> float:
+    """FLOP/s of ``n``-side square matmuls whose operands are not in the cores' caches: each call reads a
+    different pair of a set ``operand_bytes`` large, as a training step's matmuls read activations and weights
+    that other kernels ran over since (~20% slower than one pair multiplied again and again here)."""
+    import torch
+    pairs = max(2, operand_bytes // (2 * n * n * torch.empty((), dtype=dtype).element_size()))
+    operands = [(torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)) for _ in range(pairs)]
+
+    def run():
+        for a, b in operands:
+            a @ b
+    return 2 * n**3 * pairs / _best_of(run, repeats, clock)
+
+
 def measure_attention_flops(seq: int, head_dim: int, dtype, backward: bool, repeats: int = 2,
                             clock=time.perf_counter) -> float:
     """FLOP/s of the CPU's causal flash attention kernel (forward, or the backward kernel) for a query of ``seq``
@@ -146,17 +166,64 @@ def measure_elementwise_bandwidth(dtype, nbytes: int = ELEMENTWISE_BYTES, repeat
 
 
 def measure_kernel_rates(clock=time.perf_counter) -> tuple[KernelRate, ...]:
-    """A CPU "device"'s rates that one FLOP rate and one bandwidth do not give: the attention kernels per
-    direction, dtype and shape, and elementwise throughput per dtype."""
+    """A CPU "device"'s rates that one FLOP rate and one bandwidth do not give: matmuls per dtype and size,
+    the attention kernels per direction, dtype and shape, and elementwise throughput per dtype."""
     import torch
     rates = []
     for dtype in (torch.float32, torch.bfloat16):
+        for side in MATMUL_SIDES:
+            rates.append(KernelRate("matmul", str(dtype), measure_cold_matmul_flops(side, dtype, clock=clock),
+                                    (side,)))
         for seq, head_dim in ATTENTION_SHAPES:
             for kernel, backward in (("attention", False), ("attention_backward", True)):
                 rates.append(KernelRate(kernel, str(dtype), measure_attention_flops(seq, head_dim, dtype, backward,
-                                                                                    clock=clock), seq, head_dim))
+                                                                                    clock=clock), (seq, head_dim)))
         rates.append(KernelRate("elementwise", str(dtype), measure_elementwise_bandwidth(dtype, clock=clock)))
     return tuple(rates)
+
+
+def measure_copy_latency(repeats: int = 200, clock=time.perf_counter) -> float:
+    """Seconds of one small copy handed to a stream thread and waited for, as the CPU runtime moves every
+    "link" transfer (runtime/device.py CPURuntime): the hand-off, not the bytes."""
+    import torch
+
+    from ..runtime.device import CPURuntime
+    runtime = CPURuntime()
+    stream = runtime.stream("calibrate")
+    src, dst = torch.zeros(16), torch.empty(16)
+
+    def run():
+        for _ in range(repeats):
+            runtime.copy_async(dst, src, stream).synchronize()
+    try:
+        return _best_of(run, 3, clock) / repeats
+    finally:
+        runtime.shutdown()
+
+
+def measure_bucket_overhead(buckets: int = 64, numel: int = 1024, repeats: int = 10,
+                            clock=time.perf_counter) -> float:
+    """Seconds of the optimizer runtime's work per bucket beyond its kernel: one ``socompile.AdamW.step()``
+    over ``buckets`` one-parameter buckets against the same parameters in one bucket (same bytes, same kernel
+    work), the difference per extra bucket."""
+    import torch
+
+    from ..optim.adamw import AdamW
+    params = [torch.nn.Parameter(torch.zeros(numel)) for _ in range(buckets)]
+    grads = [torch.full((numel,), 1e-3) for _ in params]
+
+    def seconds_per_step(bucket_size: int) -> float:
+        opt = AdamW(params, lr=1e-3, bucket_size=bucket_size)
+
+        def run():
+            for _ in range(repeats):
+                for p, g in zip(params, grads):
+                    p.grad = g
+                opt.step()
+        return _best_of(run, 3, clock) / repeats, len(opt.buckets)
+    many, n_many = seconds_per_step(numel * 4)
+    one, n_one = seconds_per_step(numel * 4 * buckets)
+    return max(0.0, (many - one) / max(1, n_many - n_one))
 
 
 def measure_op_latency(repeats: int = 200, clock=time.perf_counter) -> float:
@@ -195,6 +262,7 @@ def calibrate(quick: bool = False, name: str = THIS_MACHINE, clock=time.perf_cou
         fp32_flops = measure_matmul_flops(4096 if quick else 8192, device="cuda", dtype=torch.float32)
         op_latency = 0.0   # launches are queued ahead of the GPU: hidden
         kernel_rates = ()  # datasheet rates x efficiency, as the shipped GPU profiles
+        link_latency = 10e-6
         dev_mem, where = props.total_memory, f"GPU {props.name}"
     else:
         # DESIGN section 5: without a GPU the device is this CPU; "link" copies are host memcpy (moved bytes).
@@ -204,11 +272,13 @@ def calibrate(quick: bool = False, name: str = THIS_MACHINE, clock=time.perf_cou
         fp32_flops = measure_matmul_flops(512 if quick else 1024, dtype=torch.float32, clock=clock)
         op_latency = measure_op_latency(clock=clock)
         kernel_rates = measure_kernel_rates(clock=clock)
+        link_latency = measure_copy_latency(clock=clock)   # a copy is a hand-off to a stream thread
         dev_mem, where = _host_memory() // 2, "no GPU: the device is this CPU"
     return HardwareProfile(
         name=name, device_memory=int(dev_mem), device_bandwidth=dev_bw, device_bf16_flops=flops,
         host_memory=_host_memory(), host_bandwidth=host_bw, host_cores=cores, link_bandwidth=h2d,
-        link_latency=10e-6, cpu_adam_bandwidth=adam_bw, device_reserved=0 if not torch.cuda.is_available() else GB,
+        link_latency=link_latency, cpu_adam_bandwidth=adam_bw, device_reserved=0 if not torch.cuda.is_available() else GB,
         link_bandwidth_d2h=d2h, device_is_host=not torch.cuda.is_available(), device_fp32_flops=fp32_flops,
         device_op_latency=op_latency, device_kernel_rates=kernel_rates,
+        cpu_bucket_overhead=measure_bucket_overhead(clock=clock),
         source=f"measured by socompile calibrate ({'quick' if quick else 'full'}; {where}; CPU Adam: {adam_kind})")

@@ -27,15 +27,15 @@ ADAM_BYTES_BF16_COPY = 2
 @dataclasses.dataclass(frozen=True)
 class KernelRate:
     """One kernel class's rate measured on this machine's "device" (calibrate on a CPU-only build), where one
-    figure per profile does not describe it: ``kernel`` is "attention" or "attention_backward" (FLOP/s at a
-    query of ``seq`` tokens and ``head_dim``; the CPU flash kernels' rate depends on both) or "elementwise"
-    (bytes/s of a binary elementwise op on cache-resident operands, ``seq`` and ``head_dim`` 0); ``dtype`` is
-    ``str(torch dtype)``."""
+    datasheet figure per profile does not describe it. ``kernel``: "matmul" (FLOP/s of a square matmul of side
+    ``shape[0]``), "attention" or "attention_backward" (FLOP/s at a query of ``shape`` = (tokens, head dim)),
+    or "elementwise" (bytes/s of a binary elementwise op on cache-resident operands, ``shape`` empty);
+    ``dtype``: ``str(torch dtype)``. On a CPU the rates depend on the shape: bf16 attention backward runs at
+    ~9 GFLOP/s at 128 x 32 and ~40 at 512 x 128; a bf16 matmul at ~110 GFLOP/s at side 128 and ~190 at 1024."""
     kernel: str
     dtype: str
     rate: float
-    seq: int = 0
-    head_dim: int = 0
+    shape: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +64,8 @@ class HardwareProfile:
     device_fp32_flops: float = 0.0    # fp32 matmul FLOP/s where measured (calibrate); 0: the bf16 rate
     device_op_latency: float = 0.0    # seconds each kernel costs beyond its roofline time where it is not hidden
                                       # (a CPU "device": the dispatch runs on the cores; calibrate measures it)
+    cpu_bucket_overhead: float = 0.0  # seconds of the runtime's Python work per CPU bucket step beyond the kernel
+                                      # (bookkeeping, swap, upload hand-off; calibrate measures it; 0: not charged)
     device_kernel_rates: tuple[KernelRate, ...] = ()   # measured rates where a FLOP rate and a bandwidth do not
                                       # describe the kernel (calibrate on a CPU; none in the GPU profiles)
 
@@ -81,20 +83,13 @@ class HardwareProfile:
             return self.device_fp32_flops
         return self.device_bf16_flops
 
-    def attention_flops(self, kernel: str, dtype: str, seq: float, head_dim: float) -> float:
-        """Measured FLOP/s of ``kernel`` ("attention" or "attention_backward") in ``dtype`` at a query of
-        ``seq`` x ``head_dim``, interpolated between the measured shapes (log-linear in each, clamped to the
-        measured range); 0 where the profile has no measurement (GPU profiles: datasheet rate x efficiency)."""
-        points = {(r.seq, r.head_dim): r.rate for r in self.device_kernel_rates
-                  if r.kernel == kernel and r.dtype == dtype and r.rate > 0}
-        if not points:
-            return 0.0
-        seqs = sorted({s for s, _ in points})
-        dims = sorted({d for _, d in points})
-
-        def at_dim(d):   # rate at measured head_dim d, interpolated over seq
-            return _interpolate([(s, points[(s, d)]) for s in seqs if (s, d) in points], seq)
-        return _interpolate([(d, at_dim(d)) for d in dims if any((s, d) in points for s in seqs)], head_dim)
+    def kernel_flops(self, kernel: str, dtype: str, shape: tuple[float, ...]) -> float:
+        """Measured FLOP/s of ``kernel`` in ``dtype`` at ``shape``, interpolated between the measured shapes
+        (log-log linear in each dimension, the nearest measured rate outside their range); 0 where the profile
+        has no measurement (GPU profiles: the datasheet rate times the class's efficiency, perf/cost.py)."""
+        points = {r.shape: r.rate for r in self.device_kernel_rates
+                  if r.kernel == kernel and r.dtype == dtype and r.rate > 0 and len(r.shape) == len(shape)}
+        return _interpolate_grid(points, tuple(shape)) if points else 0.0
 
     def elementwise_slowdown(self, dtype: str) -> float:
         """How much longer than its bytes at ``device_bandwidth`` an elementwise kernel in ``dtype`` takes,
@@ -182,13 +177,22 @@ def _interpolate(points: list[tuple[float, float]], x: float) -> float:
     points = sorted(points)
     if x <= points[0][0]:
         return points[0][1]
-    if x >= points[-1][0]:
-        return points[-1][1]
     for (x0, r0), (x1, r1) in zip(points, points[1:]):
-        if x0 <= x <= x1:
+        if x <= x1:
             t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
             return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0)))
     return points[-1][1]
+
+
+def _interpolate_grid(points: dict[tuple, float], x: tuple) -> float:
+    """Rate at point ``x`` from rates measured on a grid of shapes: interpolated along the last dimension at
+    each measured value of the others, then along those (``_interpolate`` each time)."""
+    if len(x) == 1:
+        return _interpolate([(shape[0], rate) for shape, rate in points.items()], x[0])
+    by_first: dict = {}
+    for shape, rate in points.items():
+        by_first.setdefault(shape[0], {})[shape[1:]] = rate
+    return _interpolate([(first, _interpolate_grid(rest, x[1:])) for first, rest in by_first.items()], x[0])
 
 
 def profile_cache_path() -> pathlib.Path:
@@ -233,11 +237,11 @@ def _kernel_rates(entries) -> tuple[KernelRate, ...]:
     for entry in entries:
         if not isinstance(entry, dict) or set(entry) - set(known) or not {"kernel", "dtype", "rate"} <= set(entry):
             raise ValueError(f"hardware profile device_kernel_rates entry {entry!r} must be an object with keys "
-                             f"kernel, dtype, rate (and optionally seq, head_dim)")
+                             f"kernel, dtype, rate (and optionally shape)")
         rate = KernelRate(**entry)
         if float(rate.rate) < 0:
             raise ValueError(f"hardware profile device_kernel_rates rate must be >= 0, got {entry!r}")
-        out.append(dataclasses.replace(rate, rate=float(rate.rate), seq=int(rate.seq), head_dim=int(rate.head_dim)))
+        out.append(dataclasses.replace(rate, rate=float(rate.rate), shape=tuple(int(d) for d in rate.shape)))
     return tuple(out)
 
 
