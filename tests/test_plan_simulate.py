@@ -241,3 +241,18 @@ def test_attention_nodes_carry_their_dtype_and_query_shape():
     attention = [d for _, d in ir.graph.nodes(data=True) if d["kind"] == "call_function"
                  and op_class(d["op"], d["is_view"]) == "attention"]
     assert attention and all(d["dtype"] == BF16 and d["attention_dims"] == (64, 32) for d in attention)
+
+
+def test_each_cpu_bucket_step_pays_the_measured_runtime_overhead_once():
+    """cpu_bucket_overhead: the runtime's Python work around each bucket's kernel (calibrate measures it; 0 in
+    the GPU profiles). On a CPU device every task runs one after the other, so the step grows by exactly one
+    overhead per CPU-stepped bucket."""
+    hw = profile(host_cores=2, device_is_host=True)
+    d = plan_with_details(traced(bf16=True), hw, options(gpu_buckets=0))
+    cpu_buckets = sum(1 for bk in d.plan.buckets if bk.optimizer_site != "device")
+    base = simulate(d.plan, d.costs, CostModel(hw, d.cost.symbol_values))
+    slow = simulate(d.plan, d.costs, CostModel(profile(host_cores=2, device_is_host=True, cpu_bucket_overhead=1e-3),
+                                               d.cost.symbol_values))
+    assert cpu_buckets > 1
+    assert slow.step_time - base.step_time == pytest.approx(cpu_buckets * 1e-3, rel=1e-6)
+    assert CostModel(hw).cpu_adam_time(0) == 0   # shipped profiles: no overhead charged
