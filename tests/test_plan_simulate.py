@@ -256,3 +256,17 @@ def test_each_cpu_bucket_step_pays_the_measured_runtime_overhead_once():
     assert cpu_buckets > 1
     assert slow.step_time - base.step_time == pytest.approx(cpu_buckets * 1e-3, rel=1e-6)
     assert CostModel(hw).cpu_adam_time(0) == 0   # shipped profiles: no overhead charged
+
+
+def test_each_offloaded_saved_tensor_pays_the_measured_runtime_work_once_out_and_back():
+    """activation_offload_overhead: the runtime's work per saved tensor of an offloaded layer, out and back
+    (calibrate measures it through the graph's ops; 0 in the GPU profiles)."""
+    hw = profile(host_cores=2, device_is_host=True)
+    d = plan_with_details(traced(bf16=True), hw, options(gpu_buckets=0, activations="offload"))
+    offloaded = [lc for lc in d.costs.layers if dict(d.plan.activations).get(lc.name) == "offload"]
+    tensors = sum(lc.saved_tensors for lc in offloaded)
+    base = simulate(d.plan, d.costs, CostModel(hw, d.cost.symbol_values))
+    slow = simulate(d.plan, d.costs, CostModel(profile(host_cores=2, device_is_host=True,
+                                                       activation_offload_overhead=1e-3), d.cost.symbol_values))
+    assert offloaded and tensors > len(offloaded)
+    assert slow.step_time - base.step_time == pytest.approx(tensors * 1e-3, rel=1e-6)

@@ -226,6 +226,32 @@ def measure_bucket_overhead(buckets: int = 64, numel: int = 1024, repeats: int =
     return max(0.0, (many - one) / max(1, n_many - n_one))
 
 
+def measure_activation_offload_overhead(tensors: int = 16, repeats: int = 10, clock=time.perf_counter) -> float:
+    """Seconds of the CPU runtime's work per saved tensor that a layer offloads and fetches back, through the
+    ops the compiled graph calls (ops/activation_ops.py): tiny tensors, so the hand-offs and bookkeeping, not
+    the bytes (those are charged at the copy bandwidth)."""
+    import torch
+
+    from ..ops import activation_ops  # noqa: F401  (registers torch.ops.socompile's activation ops)
+    from ..runtime.activation_offload import ActivationOffloadRuntime
+    from ..runtime.device import CPURuntime
+    device = CPURuntime()
+    runtime = ActivationOffloadRuntime(device)
+    ops, saved = torch.ops.socompile, [torch.zeros(16) for _ in range(tensors)]
+
+    def layer():
+        for _ in range(repeats):
+            hosts = [ops.offload_activation(runtime.handle, "calibrate", t) for t in saved]
+            ops.offload_wait(runtime.handle, "calibrate", hosts, saved)
+            ticket = ops.prefetch_activations(runtime.handle, "calibrate", hosts)
+            for i, host in enumerate(hosts):
+                ops.wait_activation(runtime.handle, "calibrate", i, host, ticket, device.device)
+    try:
+        return _best_of(layer, 3, clock) / (repeats * tensors)
+    finally:
+        device.shutdown()   # the handle table holds the runtime weakly: it goes with this frame
+
+
 def measure_op_latency(repeats: int = 200, clock=time.perf_counter) -> float:
     """Seconds of one tiny op on the CPU (dispatch, no data): what each kernel of a CPU "device" costs on top
     of its bytes and FLOPs."""
@@ -281,4 +307,6 @@ def calibrate(quick: bool = False, name: str = THIS_MACHINE, clock=time.perf_cou
         link_bandwidth_d2h=d2h, device_is_host=not torch.cuda.is_available(), device_fp32_flops=fp32_flops,
         device_op_latency=op_latency, device_kernel_rates=kernel_rates,
         cpu_bucket_overhead=measure_bucket_overhead(clock=clock),
+        activation_offload_overhead=0.0 if torch.cuda.is_available() else measure_activation_offload_overhead(
+            clock=clock),
         source=f"measured by socompile calibrate ({'quick' if quick else 'full'}; {where}; CPU Adam: {adam_kind})")

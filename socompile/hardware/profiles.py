@@ -66,6 +66,8 @@ class HardwareProfile:
                                       # (a CPU "device": the dispatch runs on the cores; calibrate measures it)
     cpu_bucket_overhead: float = 0.0  # seconds of the runtime's Python work per CPU bucket step beyond the kernel
                                       # (bookkeeping, swap, upload hand-off; calibrate measures it; 0: not charged)
+    activation_offload_overhead: float = 0.0   # seconds of the runtime's work per offloaded saved tensor, out
+                                      # and back (hand-offs, bookkeeping; calibrate on a CPU; 0: not charged)
     device_kernel_rates: tuple[KernelRate, ...] = ()   # measured rates where a FLOP rate and a bandwidth do not
                                       # describe the kernel (calibrate on a CPU; none in the GPU profiles)
 

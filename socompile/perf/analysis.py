@@ -50,6 +50,7 @@ class LayerCosts:
     attention_time: float = 0.0  # seconds of its attention kernels in forward (not re-run by "selective")
     attention_saved: float = 0.0  # bytes of its saved attention outputs (out, logsumexp: kept by "selective")
     attention_saved_expr: object = 0
+    saved_tensors: int = 0       # how many tensors ``saved`` is (an offload moves each one separately)
 
 
 @dataclasses.dataclass
@@ -297,5 +298,5 @@ def _checkpoint_estimate(ir: IR, cost: CostModel, saved_roots: list[str], fw_tim
                                  saved_expr=saved_per_layer.get(name, 0), boundary=cost.value(boundary[name]),
                                  boundary_expr=boundary[name], fw_time=layer_time.get(name, 0.0), bw_time=bw_time,
                                  attention_time=attn_time, attention_saved=cost.value(attn_expr),
-                                 attention_saved_expr=attn_expr))
+                                 attention_saved_expr=attn_expr, saved_tensors=len(roots)))
     return kept, saved_per_layer, sum(layer_time.values()), layers
