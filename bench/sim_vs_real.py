@@ -91,6 +91,7 @@ def describe_profile(path: str) -> str:
              f"matmul bf16 {hw.device_bf16_flops / 1e9:.0f} fp32 {hw.device_fp32_flops / 1e9:.0f} GFLOP/s",
              f"op latency {hw.device_op_latency * 1e6:.1f} us", f"copy hand-off {hw.link_latency * 1e6:.0f} us",
              f"per bucket {hw.cpu_bucket_overhead * 1e6:.0f} us",
+             f"per offloaded tensor {hw.activation_offload_overhead * 1e6:.0f} us",
              f"bf16 elementwise x{hw.elementwise_slowdown('torch.bfloat16'):.2f}"]
     parts += [f"{kernel} {dtype[6:]} {rate / 1e9:.1f}" for (kernel, dtype), rate in sorted(attention.items())]
     return "# profile: " + ", ".join(parts) + (" (attention GFLOP/s at 128 x 32)" if attention else "")
