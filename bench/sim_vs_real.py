@@ -77,8 +77,24 @@ def calibrated_profile_path(directory: str, as_gpu: bool = False, clock: str = "
     from socompile.hardware.profiles import save_profile
     profile = calibrate(quick=True, clock=CLOCKS[clock])   # the clock the steps are timed on
     if as_gpu:
-        profile = dataclasses.replace(profile, device_is_host=False, device_fp32_flops=0.0, device_op_latency=0.0)
+        profile = dataclasses.replace(profile, device_is_host=False, device_fp32_flops=0.0, device_op_latency=0.0,
+                                      device_kernel_rates=())
     return str(save_profile(profile, os.path.join(directory, "this-machine.json")))
+
+
+def describe_profile(path: str) -> str:
+    """The calibrated numbers the simulator charges by (a ratio far off is often a noisy calibration)."""
+    from socompile.hardware.profiles import load_profile
+    hw = load_profile(path)
+    attention = {(r.kernel, r.dtype): r.rate for r in hw.device_kernel_rates if r.shape == (128, 32)}
+    parts = [f"device bandwidth {hw.device_bandwidth / 1e9:.1f} GB/s", f"CPU Adam {hw.adam_bandwidth / 1e9:.1f} GB/s",
+             f"matmul bf16 {hw.device_bf16_flops / 1e9:.0f} fp32 {hw.device_fp32_flops / 1e9:.0f} GFLOP/s",
+             f"op latency {hw.device_op_latency * 1e6:.1f} us", f"copy hand-off {hw.link_latency * 1e6:.0f} us",
+             f"per bucket {hw.cpu_bucket_overhead * 1e6:.0f} us",
+             f"per offloaded tensor {hw.activation_offload_overhead * 1e6:.0f} us",
+             f"bf16 elementwise x{hw.elementwise_slowdown('torch.bfloat16'):.2f}"]
+    parts += [f"{kernel} {dtype[6:]} {rate / 1e9:.1f}" for (kernel, dtype), rate in sorted(attention.items())]
+    return "# profile: " + ", ".join(parts) + (" (attention GFLOP/s at 128 x 32)" if attention else "")
 
 
 def set_threads(threads: int) -> None:
@@ -166,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         target = args.target or calibrated_profile_path(tmp, args.as_gpu, args.clock)
+        print(describe_profile(target), flush=True)
         for preset in args.presets.split(","):
             data = ByteBatches(stdlib_corpus(400_000), args.batch, args.seq, seed=0)
             for case in chosen:

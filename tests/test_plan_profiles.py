@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -49,10 +50,20 @@ def test_unknown_target_names_the_known_ones():
 
 
 def test_calibrate_measures_this_machine_and_writes_a_loadable_profile(tmp_path):
-    hw = calibrate(quick=True)
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # as bench/sim_vs_real.py calibrates: OpenMP kernels on cores the other test
+    try:                       # process also runs on take many times longer
+        hw = calibrate(quick=True)
+    finally:
+        torch.set_num_threads(threads)
     assert hw.host_bandwidth > 1e8 and hw.cpu_adam_bandwidth > 1e8 and hw.link_bandwidth > 1e8
     assert "measured" in hw.source
     assert load_profile(save_profile(hw, tmp_path / "me.json")) == hw
+    if not torch.cuda.is_available():   # a CPU "device": the kernels one FLOP rate and bandwidth do not describe
+        kinds = {(r.kernel, r.dtype) for r in hw.device_kernel_rates if r.rate > 0}
+        assert {(k, d) for k in ("matmul", "attention", "attention_backward", "elementwise")
+                for d in ("torch.float32", "torch.bfloat16")} <= kinds
 
 
 def test_target_this_machine_without_a_cached_profile_calibrates_on_real_tensors_and_caches_it(tmp_path,
@@ -90,3 +101,16 @@ def test_interconnect_numbers_and_which_fabric_a_group_uses():
     assert nvl.group_bandwidth(2, stride=8) == hw.inter_node_bandwidth   # dp peers 8 ranks apart: other nodes
     for name, p in PROFILES.items():
         assert p.gpus_per_node >= 1 and p.intra_node_bandwidth > 0 and p.inter_node_bandwidth > 0, name
+
+
+def test_measured_kernel_rates_round_trip_through_a_profile_file_and_bad_entries_are_named(tmp_path):
+    from socompile.hardware.profiles import KernelRate
+    hw = dataclasses.replace(PROFILES["gh200"], device_kernel_rates=(
+        KernelRate("attention_backward", "torch.bfloat16", 8e9, (128, 32)),
+        KernelRate("elementwise", "torch.float32", 9e10)))
+    assert load_profile(save_profile(hw, tmp_path / "rates.json")) == hw
+    data = json.loads((tmp_path / "rates.json").read_text())
+    data["device_kernel_rates"] = [{"kernel": "matmul", "rate": 1e11}]
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="device_kernel_rates entry .* kernel, dtype, rate"):
+        load_profile(tmp_path / "bad.json")

@@ -162,3 +162,111 @@ def test_a_cpu_device_pays_each_kernels_dispatch_and_views_cost_nothing():
     cost = CostModel(profile(device_op_latency=5e-6))
     assert cost.node_time("memory", 0, 0) == 5e-6 and cost.node_time("free", 0, 0) == 0
     assert CostModel(profile()).node_time("memory", 0, 0) == 0   # shipped GPU profiles: launches hidden
+
+
+# -- a calibrated CPU "device": kernels at the rates measured for their kind, dtype and shape ------------------
+
+BF16, FP32 = "torch.bfloat16", "torch.float32"
+ATTENTION_BW = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
+ATTENTION_FW = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+
+
+def measured(*rates, **changes):
+    """A CPU-device profile (no GPU efficiency applies to its measured rates) with ``rates``."""
+    from socompile.hardware.profiles import KernelRate
+    return profile(device_is_host=True, device_kernel_rates=tuple(KernelRate(*r) for r in rates), **changes)
+
+
+def test_an_attention_node_runs_at_the_measured_rate_of_its_direction_dtype_and_shape():
+    hw = measured(("attention", BF16, 20e9, (128, 32)), ("attention_backward", BF16, 8e9, (128, 32)),
+                  ("attention_backward", FP32, 30e9, (128, 32)))
+    cost = CostModel(hw)
+    flops = 1e9   # compute-bound: no bytes
+    assert cost.node_time("attention", flops, 0, BF16, ATTENTION_BW, (128, 32)) == pytest.approx(flops / 8e9)
+    assert cost.node_time("attention", flops, 0, BF16, ATTENTION_FW, (128, 32)) == pytest.approx(flops / 20e9)
+    assert cost.node_time("attention", flops, 0, FP32, ATTENTION_BW, (128, 32)) == pytest.approx(flops / 30e9)
+    # a dtype the profile did not measure: the datasheet rate times the class's efficiency, as before
+    from socompile.perf.cost import EFFICIENCY
+    assert cost.node_time("attention", flops, 0, "torch.float16", ATTENTION_BW, (128, 32)) == pytest.approx(
+        flops / (hw.device_bf16_flops * EFFICIENCY["attention"]))
+
+
+def test_measured_rates_are_interpolated_between_shapes_and_clamped_outside_them():
+    hw = measured(("attention_backward", BF16, 8e9, (128, 32)), ("attention_backward", BF16, 32e9, (512, 32)),
+                  ("attention_backward", BF16, 16e9, (128, 128)), ("attention_backward", BF16, 64e9, (512, 128)))
+    # log-log linear: 256 tokens is halfway between 128 and 512, so the rate is the geometric mean
+    assert hw.kernel_flops("attention_backward", BF16, (256, 32)) == pytest.approx(16e9)
+    assert hw.kernel_flops("attention_backward", BF16, (256, 64)) == pytest.approx((16e9 * 32e9) ** 0.5)
+    assert hw.kernel_flops("attention_backward", BF16, (64, 16)) == 8e9       # below the grid: nearest
+    assert hw.kernel_flops("attention_backward", BF16, (4096, 256)) == 64e9   # above it
+    assert hw.kernel_flops("attention_backward", FP32, (256, 32)) == 0       # not measured
+
+
+def test_a_matmul_node_runs_at_the_rate_measured_for_its_dtype_at_the_side_of_its_flops_cube():
+    hw = measured(("matmul", BF16, 100e9, (128,)), ("matmul", BF16, 200e9, (512,)), ("matmul", FP32, 70e9, (256,)))
+    cost = CostModel(hw)
+    at_256 = 2 * 256**3   # a 256-cube of work: halfway (in logs) between the measured sides 128 and 512
+    assert cost.node_time("matmul", at_256, 0, BF16) == pytest.approx(at_256 / (100e9 * 200e9) ** 0.5)
+    assert cost.node_time("matmul", at_256, 0, FP32) == pytest.approx(at_256 / 70e9)
+
+
+def test_a_bf16_elementwise_node_takes_its_bytes_times_the_measured_bf16_slowdown():
+    hw = measured(("elementwise", FP32, 90e9), ("elementwise", BF16, 30e9))
+    cost = CostModel(hw)
+    fp32 = cost.node_time("memory", 0, 1e6, FP32)
+    assert hw.elementwise_slowdown(BF16) == pytest.approx(3.0) and hw.elementwise_slowdown(FP32) == 1.0
+    assert cost.node_time("memory", 0, 1e6, BF16) == pytest.approx(3.0 * fp32)
+
+
+def test_a_profile_without_measured_kernel_rates_charges_as_before():
+    """The shipped GPU profiles have no device_kernel_rates: datasheet rates times efficiency, bytes at the
+    bandwidth, whatever the dtype or shape (tests/test_plan_golden.py checks their plans byte for byte)."""
+    from socompile.perf.cost import EFFICIENCY
+    hw = profile()
+    cost = CostModel(hw)
+    assert hw.device_kernel_rates == () and hw.elementwise_slowdown(BF16) == 1.0
+    memory = 1e6 / (hw.device_bandwidth * EFFICIENCY["memory"])
+    assert cost.node_time("memory", 0, 1e6, BF16) == pytest.approx(memory)
+    assert cost.node_time("attention", 1e12, 0, BF16, ATTENTION_BW, (128, 32)) == pytest.approx(
+        1e12 / (hw.device_bf16_flops * EFFICIENCY["attention"]))
+    assert cost.node_time("matmul", 1e12, 0, BF16) == pytest.approx(1e12 / (hw.device_bf16_flops
+                                                                           * EFFICIENCY["matmul"]))
+
+
+def test_attention_nodes_carry_their_dtype_and_query_shape():
+    """The CPU attention kernels return (output, logsumexp): the node's dtype is its output's (it was "": every
+    attention ran at the bf16 rate), and its (tokens, head dim) choose the measured rate."""
+    from socompile.perf.cost import op_class
+    ir = traced(bf16=True)   # tiny: 4 heads of 32, traced at seq 64
+    attention = [d for _, d in ir.graph.nodes(data=True) if d["kind"] == "call_function"
+                 and op_class(d["op"], d["is_view"]) == "attention"]
+    assert attention and all(d["dtype"] == BF16 and d["attention_dims"] == (64, 32) for d in attention)
+
+
+def test_each_cpu_bucket_step_pays_the_measured_runtime_overhead_once():
+    """cpu_bucket_overhead: the runtime's Python work around each bucket's kernel (calibrate measures it; 0 in
+    the GPU profiles). On a CPU device every task runs one after the other, so the step grows by exactly one
+    overhead per CPU-stepped bucket."""
+    hw = profile(host_cores=2, device_is_host=True)
+    d = plan_with_details(traced(bf16=True), hw, options(gpu_buckets=0))
+    cpu_buckets = sum(1 for bk in d.plan.buckets if bk.optimizer_site != "device")
+    base = simulate(d.plan, d.costs, CostModel(hw, d.cost.symbol_values))
+    slow = simulate(d.plan, d.costs, CostModel(profile(host_cores=2, device_is_host=True, cpu_bucket_overhead=1e-3),
+                                               d.cost.symbol_values))
+    assert cpu_buckets > 1
+    assert slow.step_time - base.step_time == pytest.approx(cpu_buckets * 1e-3, rel=1e-6)
+    assert CostModel(hw).cpu_adam_time(0) == 0   # shipped profiles: no overhead charged
+
+
+def test_each_offloaded_saved_tensor_pays_the_measured_runtime_work_once_out_and_back():
+    """activation_offload_overhead: the runtime's work per saved tensor of an offloaded layer, out and back
+    (calibrate measures it through the graph's ops; 0 in the GPU profiles)."""
+    hw = profile(host_cores=2, device_is_host=True)
+    d = plan_with_details(traced(bf16=True), hw, options(gpu_buckets=0, activations="offload"))
+    offloaded = [lc for lc in d.costs.layers if dict(d.plan.activations).get(lc.name) == "offload"]
+    tensors = sum(lc.saved_tensors for lc in offloaded)
+    base = simulate(d.plan, d.costs, CostModel(hw, d.cost.symbol_values))
+    slow = simulate(d.plan, d.costs, CostModel(profile(host_cores=2, device_is_host=True,
+                                                       activation_offload_overhead=1e-3), d.cost.symbol_values))
+    assert offloaded and tensors > len(offloaded)
+    assert slow.step_time - base.step_time == pytest.approx(tensors * 1e-3, rel=1e-6)

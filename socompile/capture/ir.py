@@ -22,7 +22,7 @@ import torch
 from torch import fx
 
 from .params import ParamInfo
-from .sizes import free_symbols, node_flops, shape_env_values, tensor_bytes
+from .sizes import attention_dims, free_symbols, node_flops, shape_env_values, tensor_bytes, value_dtype
 
 
 @dataclasses.dataclass
@@ -90,7 +90,7 @@ def _add_phase(g: nx.DiGraph, gm: fx.GraphModule, phase: str, alias: dict[str, s
         g.add_node(key, phase=phase, order=i, op=str(node.target) if node.op != "placeholder" else "placeholder",
                    kind=node.op, is_view=_is_view(node), alias_of=local_alias.get(node.name),
                    bytes=tensor_bytes(node.meta.get("val")), flops=node_flops(node),
-                   dtype=str(getattr(node.meta.get("val"), "dtype", "")),
+                   dtype=value_dtype(node.meta.get("val")), attention_dims=attention_dims(node),
                    reads_params=tuple(sorted(reads)), stack_trace=node.meta.get("stack_trace"))
         for inp in node.all_input_nodes:
             g.add_edge(f"{phase}:{inp.name}", key)

@@ -63,6 +63,35 @@ def _cpu_attention_formulas() -> dict:
 _EXTRA_FORMULAS = _cpu_attention_formulas()
 
 
+def causal_fraction(seq: int | sympy.Expr) -> object:
+    """Fraction of a square (seq x seq) score matrix causal attention computes: (s+1)/(2s)."""
+    if isinstance(seq, int):
+        return sympy.Rational(1, 2) + sympy.Rational(1, 2) / seq
+    return (seq + 1) / (2 * seq)
+
+
+def value_dtype(value) -> str:
+    """``str(dtype)`` of a node's value: its first tensor's for a tuple (an attention kernel returns its
+    output and logsumexp); "" when it holds no tensor."""
+    for leaf in tree_flatten(value)[0]:
+        if isinstance(leaf, torch.Tensor):
+            return str(leaf.dtype)
+    return ""
+
+
+def attention_dims(node) -> tuple | None:
+    """(query tokens, head dim) of an attention kernel node, from its first tensor argument (the query, or
+    the output gradient of the same shape in backward); None for other nodes. The CPU attention kernels'
+    FLOP rate depends on both (KernelRate)."""
+    if node.op != "call_function" or "attention" not in str(node.target):
+        return None
+    first = next((a for a in node.args if hasattr(a, "meta")), None)
+    value = first.meta.get("val") if first is not None else None
+    if not isinstance(value, torch.Tensor) or value.dim() < 2:
+        return None
+    return to_expr(value.shape[-2]), to_expr(value.shape[-1])
+
+
 def _causal_fraction(node, args, kwargs) -> object:
     """Fraction of the (s_q x s_k) score matrix a causal attention kernel computes: (s+1)/(2s) for square
     causal attention (FlashAttention skips the blocks above the diagonal), 1 otherwise. torch's formulas
@@ -78,10 +107,9 @@ def _causal_fraction(node, args, kwargs) -> object:
     if causal is not True:
         return 1
     query = kwargs.get("query", args[names.index("query")] if "query" in names else None)
-    seq = to_expr(query.shape[-2]) if isinstance(query, torch.Tensor) else None
-    if seq is None:
+    if not isinstance(query, torch.Tensor):
         return sympy.Rational(1, 2)
-    return sympy.Rational(1, 2) + sympy.Rational(1, 2) / seq if isinstance(seq, int) else (seq + 1) / (2 * seq)
+    return causal_fraction(to_expr(query.shape[-2]))
 
 
 def node_flops(node) -> int | sympy.Expr:

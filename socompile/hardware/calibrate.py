@@ -7,14 +7,31 @@ What is measured, and how:
 - copy rates "host->device" and "device->host": on a CUDA machine, pinned-memory copies; without a GPU the
   "device" is this CPU (DESIGN section 5), so a copy between two host buffers.
 Device FLOP/s is measured as a bf16 and an fp32 matmul on the device (on a CPU this is slow and is what the
-plan gets; fp32 models compute at the fp32 rate, a third of bf16 on this AVX512-BF16 CPU).
+plan gets; fp32 models compute at the fp32 rate, a third of bf16 on this AVX512-BF16 CPU). On a CPU "device"
+also: the attention kernels' FLOP/s per direction, dtype and query shape, and elementwise bytes/s per dtype
+(``device_kernel_rates``; measure_kernel_rates says what and why).
 """
 from __future__ import annotations
 
 import os
 import time
 
-from .profiles import ADAM_BYTES_FP32_GRAD, GB, THIS_MACHINE, HardwareProfile
+from .profiles import ADAM_BYTES_FP32_GRAD, GB, THIS_MACHINE, HardwareProfile, KernelRate
+
+# Query shapes (tokens, head dim) at which the CPU attention kernels are measured: their FLOP rate depends on
+# both (bf16 backward: ~9 GFLOP/s at 128 x 32, ~40 at 512 x 128 on one AVX512-BF16 core); the simulator
+# interpolates between them. (batch x heads) slices of ATTENTION_TOKENS // seq tokens each: the rate per slice
+# does not depend on their number, once a call is long enough that its fixed costs do not count.
+ATTENTION_SHAPES = ((128, 32), (128, 128), (512, 32), (512, 128))
+ATTENTION_TOKENS = 2048
+# Sides of the square matmuls measured per dtype: a CPU's matmul rate grows with the size (bf16 on one core:
+# ~95 GFLOP/s at 128, ~190 at 512); the simulator takes a matmul node at the side of its FLOPs' cube. Their
+# operands are cycled through MATMUL_OPERAND_BYTES, more than a core's L2 cache (measure_cold_matmul_flops).
+MATMUL_SIDES = (128, 256, 512)
+MATMUL_OPERAND_BYTES = 16 * 2**20
+# Operand size of the elementwise measurement: one layer's activations of a model a CPU trains, which sit in the
+# caches, where converting bf16 to fp32 and back costs more than the bytes (bf16: ~2.5x the time per byte of fp32).
+ELEMENTWISE_BYTES = 2**20
 
 
 def _best_of(fn, repeats: int, clock=time.perf_counter) -> float:
@@ -92,6 +109,149 @@ def measure_matmul_flops(n: int, device: str = "cpu", repeats: int = 2, dtype=No
     return 2 * n**3 / _best_of(run, repeats, clock)
 
 
+def measure_cold_matmul_flops(n: int, dtype, operand_bytes: int = MATMUL_OPERAND_BYTES, repeats: int = 2,
+                               clock=time.perf_counter) -> float:
+    """FLOP/s of ``n``-side square matmuls whose operands are not in the cores' caches: each call reads a
+    different pair of a set ``operand_bytes`` large, as a training step's matmuls read activations and weights
+    that other kernels ran over since (~20% slower than one pair multiplied again and again here)."""
+    import torch
+    pairs = max(2, operand_bytes // (2 * n * n * torch.empty((), dtype=dtype).element_size()))
+    operands = [(torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)) for _ in range(pairs)]
+
+    def run():
+        for a, b in operands:
+            a @ b
+    return 2 * n**3 * pairs / _best_of(run, repeats, clock)
+
+
+def measure_attention_flops(seq: int, head_dim: int, dtype, backward: bool, repeats: int = 2,
+                            clock=time.perf_counter) -> float:
+    """FLOP/s of the CPU's causal flash attention kernel (forward, or the backward kernel) for a query of ``seq``
+    x ``head_dim``, as a transformer lays q, k, v out ((batch, seq, heads, dim) transposed); FLOPs counted as the
+    simulator counts them (capture/sizes.py: torch's formulas, lower triangle only)."""
+    import torch
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    from ..capture.sizes import causal_fraction
+    aten = torch.ops.aten
+    slices = max(1, ATTENTION_TOKENS // seq)
+    q, k, v = (torch.randn(1, seq, slices, head_dim).to(dtype).transpose(1, 2) for _ in range(3))
+    shape = q.shape
+    out, logsumexp = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+    grad = torch.randn_like(out)
+    if backward:
+        seconds = _best_of(lambda: aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, logsumexp, 0.0, True), repeats, clock)
+        flops = sdpa_backward_flop_count(shape, shape, shape, shape)
+    else:
+        seconds = _best_of(lambda: aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True), repeats,
+                           clock)
+        flops = sdpa_flop_count(shape, shape, shape)
+    return flops * float(causal_fraction(seq)) / seconds
+
+
+def measure_elementwise_bandwidth(dtype, nbytes: int = ELEMENTWISE_BYTES, repeats: int = 5,
+                                  clock=time.perf_counter) -> float:
+    """Bytes/s (two read, one written) of ``a * b`` in ``dtype`` on ``nbytes`` operands."""
+    import torch
+    a = torch.rand(nbytes // 4).to(dtype)
+    b = torch.rand(nbytes // 4).to(dtype)
+    out = torch.empty_like(a)
+    inner = 20   # one multiply of a cache-resident megabyte is ~10 us: time a batch
+
+    def run():
+        for _ in range(inner):
+            torch.mul(a, b, out=out)
+    return 3 * a.numel() * a.element_size() * inner / _best_of(run, repeats, clock)
+
+
+def measure_kernel_rates(clock=time.perf_counter) -> tuple[KernelRate, ...]:
+    """A CPU "device"'s rates that one FLOP rate and one bandwidth do not give: matmuls per dtype and size,
+    the attention kernels per direction, dtype and shape, and elementwise throughput per dtype."""
+    import torch
+    rates = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for side in MATMUL_SIDES:
+            rates.append(KernelRate("matmul", str(dtype), measure_cold_matmul_flops(side, dtype, clock=clock),
+                                    (side,)))
+        for seq, head_dim in ATTENTION_SHAPES:
+            for kernel, backward in (("attention", False), ("attention_backward", True)):
+                rates.append(KernelRate(kernel, str(dtype), measure_attention_flops(seq, head_dim, dtype, backward,
+                                                                                    clock=clock), (seq, head_dim)))
+        rates.append(KernelRate("elementwise", str(dtype), measure_elementwise_bandwidth(dtype, clock=clock)))
+    return tuple(rates)
+
+
+def measure_copy_latency(repeats: int = 200, clock=time.perf_counter) -> float:
+    """Seconds of one small copy handed to a stream thread and waited for, as the CPU runtime moves every
+    "link" transfer (runtime/device.py CPURuntime): the hand-off, not the bytes."""
+    import torch
+
+    from ..runtime.device import CPURuntime
+    runtime = CPURuntime()
+    stream = runtime.stream("calibrate")
+    src, dst = torch.zeros(16), torch.empty(16)
+
+    def run():
+        for _ in range(repeats):
+            runtime.copy_async(dst, src, stream).synchronize()
+    try:
+        return _best_of(run, 3, clock) / repeats
+    finally:
+        runtime.shutdown()
+
+
+def measure_bucket_overhead(buckets: int = 64, numel: int = 1024, repeats: int = 10,
+                            clock=time.perf_counter) -> float:
+    """Seconds of the optimizer runtime's work per bucket beyond its kernel: one ``socompile.AdamW.step()``
+    over ``buckets`` one-parameter buckets against the same parameters in one bucket (same bytes, same kernel
+    work), the difference per extra bucket."""
+    import torch
+
+    from ..optim.adamw import AdamW
+    params = [torch.nn.Parameter(torch.zeros(numel)) for _ in range(buckets)]
+    grads = [torch.full((numel,), 1e-3) for _ in params]
+
+    def seconds_per_step(bucket_size: int) -> float:
+        opt = AdamW(params, lr=1e-3, bucket_size=bucket_size)
+
+        def run():
+            for _ in range(repeats):
+                for p, g in zip(params, grads):
+                    p.grad = g
+                opt.step()
+        return _best_of(run, 3, clock) / repeats, len(opt.buckets)
+    many, n_many = seconds_per_step(numel * 4)
+    one, n_one = seconds_per_step(numel * 4 * buckets)
+    return max(0.0, (many - one) / max(1, n_many - n_one))
+
+
+def measure_activation_offload_overhead(tensors: int = 16, repeats: int = 10, clock=time.perf_counter) -> float:
+    """Seconds of the CPU runtime's work per saved tensor that a layer offloads and fetches back, through the
+    ops the compiled graph calls (ops/activation_ops.py): tiny tensors, so the hand-offs and bookkeeping, not
+    the bytes (those are charged at the copy bandwidth)."""
+    import torch
+
+    from ..ops import activation_ops  # noqa: F401  (registers torch.ops.socompile's activation ops)
+    from ..runtime.activation_offload import ActivationOffloadRuntime
+    from ..runtime.device import CPURuntime
+    device = CPURuntime()
+    runtime = ActivationOffloadRuntime(device)
+    ops, saved = torch.ops.socompile, [torch.zeros(16) for _ in range(tensors)]
+
+    def layer():
+        for _ in range(repeats):
+            hosts = [ops.offload_activation(runtime.handle, "calibrate", t) for t in saved]
+            ops.offload_wait(runtime.handle, "calibrate", hosts, saved)
+            ticket = ops.prefetch_activations(runtime.handle, "calibrate", hosts)
+            for i, host in enumerate(hosts):
+                ops.wait_activation(runtime.handle, "calibrate", i, host, ticket, device.device)
+    try:
+        return _best_of(layer, 3, clock) / (repeats * tensors)
+    finally:
+        device.shutdown()   # the handle table holds the runtime weakly: it goes with this frame
+
+
 def measure_op_latency(repeats: int = 200, clock=time.perf_counter) -> float:
     """Seconds of one tiny op on the CPU (dispatch, no data): what each kernel of a CPU "device" costs on top
     of its bytes and FLOPs."""
@@ -127,6 +287,8 @@ def calibrate(quick: bool = False, name: str = THIS_MACHINE, clock=time.perf_cou
         flops = measure_matmul_flops(4096 if quick else 8192, device="cuda")
         fp32_flops = measure_matmul_flops(4096 if quick else 8192, device="cuda", dtype=torch.float32)
         op_latency = 0.0   # launches are queued ahead of the GPU: hidden
+        kernel_rates = ()  # datasheet rates x efficiency, as the shipped GPU profiles
+        link_latency = 10e-6
         dev_mem, where = props.total_memory, f"GPU {props.name}"
     else:
         # DESIGN section 5: without a GPU the device is this CPU; "link" copies are host memcpy (moved bytes).
@@ -135,11 +297,16 @@ def calibrate(quick: bool = False, name: str = THIS_MACHINE, clock=time.perf_cou
         flops = measure_matmul_flops(512 if quick else 1024, clock=clock)
         fp32_flops = measure_matmul_flops(512 if quick else 1024, dtype=torch.float32, clock=clock)
         op_latency = measure_op_latency(clock=clock)
+        kernel_rates = measure_kernel_rates(clock=clock)
+        link_latency = measure_copy_latency(clock=clock)   # a copy is a hand-off to a stream thread
         dev_mem, where = _host_memory() // 2, "no GPU: the device is this CPU"
     return HardwareProfile(
         name=name, device_memory=int(dev_mem), device_bandwidth=dev_bw, device_bf16_flops=flops,
         host_memory=_host_memory(), host_bandwidth=host_bw, host_cores=cores, link_bandwidth=h2d,
-        link_latency=10e-6, cpu_adam_bandwidth=adam_bw, device_reserved=0 if not torch.cuda.is_available() else GB,
+        link_latency=link_latency, cpu_adam_bandwidth=adam_bw, device_reserved=0 if not torch.cuda.is_available() else GB,
         link_bandwidth_d2h=d2h, device_is_host=not torch.cuda.is_available(), device_fp32_flops=fp32_flops,
-        device_op_latency=op_latency,
+        device_op_latency=op_latency, device_kernel_rates=kernel_rates,
+        cpu_bucket_overhead=measure_bucket_overhead(clock=clock),
+        activation_offload_overhead=0.0 if torch.cuda.is_available() else measure_activation_offload_overhead(
+            clock=clock),
         source=f"measured by socompile calibrate ({'quick' if quick else 'full'}; {where}; CPU Adam: {adam_kind})")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 
@@ -21,6 +22,20 @@ GB = 10**9
 ADAM_BYTES_FP32_GRAD = 28
 ADAM_BYTES_BF16_GRAD = 26
 ADAM_BYTES_BF16_COPY = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelRate:
+    """One kernel class's rate measured on this machine's "device" (calibrate on a CPU-only build), where one
+    datasheet figure per profile does not describe it. ``kernel``: "matmul" (FLOP/s of a square matmul of side
+    ``shape[0]``), "attention" or "attention_backward" (FLOP/s at a query of ``shape`` = (tokens, head dim)),
+    or "elementwise" (bytes/s of a binary elementwise op on cache-resident operands, ``shape`` empty);
+    ``dtype``: ``str(torch dtype)``. On a CPU the rates depend on the shape: bf16 attention backward runs at
+    ~9 GFLOP/s at 128 x 32 and ~40 at 512 x 128; a bf16 matmul at ~110 GFLOP/s at side 128 and ~190 at 1024."""
+    kernel: str
+    dtype: str
+    rate: float
+    shape: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +64,12 @@ class HardwareProfile:
     device_fp32_flops: float = 0.0    # fp32 matmul FLOP/s where measured (calibrate); 0: the bf16 rate
     device_op_latency: float = 0.0    # seconds each kernel costs beyond its roofline time where it is not hidden
                                       # (a CPU "device": the dispatch runs on the cores; calibrate measures it)
+    cpu_bucket_overhead: float = 0.0  # seconds of the runtime's Python work per CPU bucket step beyond the kernel
+                                      # (bookkeeping, swap, upload hand-off; calibrate measures it; 0: not charged)
+    activation_offload_overhead: float = 0.0   # seconds of the runtime's work per offloaded saved tensor, out
+                                      # and back (hand-offs, bookkeeping; calibrate on a CPU; 0: not charged)
+    device_kernel_rates: tuple[KernelRate, ...] = ()   # measured rates where a FLOP rate and a bandwidth do not
+                                      # describe the kernel (calibrate on a CPU; none in the GPU profiles)
 
     @property
     def adam_bandwidth(self) -> float:
@@ -63,6 +84,23 @@ class HardwareProfile:
         if dtype == "torch.float32" and self.device_fp32_flops:
             return self.device_fp32_flops
         return self.device_bf16_flops
+
+    def kernel_flops(self, kernel: str, dtype: str, shape: tuple[float, ...]) -> float:
+        """Measured FLOP/s of ``kernel`` in ``dtype`` at ``shape``, interpolated between the measured shapes
+        (log-log linear in each dimension, the nearest measured rate outside their range); 0 where the profile
+        has no measurement (GPU profiles: the datasheet rate times the class's efficiency, perf/cost.py)."""
+        points = {r.shape: r.rate for r in self.device_kernel_rates
+                  if r.kernel == kernel and r.dtype == dtype and r.rate > 0 and len(r.shape) == len(shape)}
+        return _interpolate_grid(points, tuple(shape)) if points else 0.0
+
+    def elementwise_slowdown(self, dtype: str) -> float:
+        """How much longer than its bytes at ``device_bandwidth`` an elementwise kernel in ``dtype`` takes,
+        relative to fp32: fp32's measured elementwise bytes/s over ``dtype``'s (bf16 on a CPU converts every
+        element to fp32 and back: more work per byte). 1 where not measured (GPU profiles) and for fp32."""
+        rates = {r.dtype: r.rate for r in self.device_kernel_rates if r.kernel == "elementwise" and r.rate > 0}
+        if dtype not in rates or "torch.float32" not in rates:
+            return 1.0
+        return rates["torch.float32"] / rates[dtype]
 
     @property
     def cpu_adam_params_per_s(self) -> float:
@@ -135,6 +173,30 @@ PROFILES: dict[str, HardwareProfile] = {
 THIS_MACHINE = "this-machine"
 
 
+def _interpolate(points: list[tuple[float, float]], x: float) -> float:
+    """Rate at ``x`` from measured (x, rate) points: log-log linear between the two neighbours, the nearest
+    measured rate outside their range."""
+    points = sorted(points)
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, r0), (x1, r1) in zip(points, points[1:]):
+        if x <= x1:
+            t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0)))
+    return points[-1][1]
+
+
+def _interpolate_grid(points: dict[tuple, float], x: tuple) -> float:
+    """Rate at point ``x`` from rates measured on a grid of shapes: interpolated along the last dimension at
+    each measured value of the others, then along those (``_interpolate`` each time)."""
+    if len(x) == 1:
+        return _interpolate([(shape[0], rate) for shape, rate in points.items()], x[0])
+    by_first: dict = {}
+    for shape, rate in points.items():
+        by_first.setdefault(shape[0], {})[shape[1:]] = rate
+    return _interpolate([(first, _interpolate_grid(rest, x[1:])) for first, rest in by_first.items()], x[0])
+
+
 def profile_cache_path() -> pathlib.Path:
     """Where ``calibrate`` stores this machine's profile (SOCOMPILE_PROFILE_DIR or ~/.cache/socompile)."""
     base = os.environ.get("SOCOMPILE_PROFILE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "socompile")
@@ -162,10 +224,27 @@ def profile_from_dict(data: dict, default_name: str = "user") -> HardwareProfile
             data[key] = int(data[key])
     if "device_is_host" in data:
         data["device_is_host"] = bool(data["device_is_host"])
+    if "device_kernel_rates" in data:
+        data["device_kernel_rates"] = _kernel_rates(data["device_kernel_rates"])
     for key, value in data.items():
-        if key not in ("name", "source") and float(value) < 0:
+        if key not in ("name", "source", "device_kernel_rates") and float(value) < 0:
             raise ValueError(f"hardware profile field {key} must be >= 0, got {value!r}")
     return HardwareProfile(**data)
+
+
+def _kernel_rates(entries) -> tuple[KernelRate, ...]:
+    """``device_kernel_rates`` from a profile file: a list of objects with KernelRate's keys."""
+    known = [f.name for f in dataclasses.fields(KernelRate)]
+    out = []
+    for entry in entries:
+        if not isinstance(entry, dict) or set(entry) - set(known) or not {"kernel", "dtype", "rate"} <= set(entry):
+            raise ValueError(f"hardware profile device_kernel_rates entry {entry!r} must be an object with keys "
+                             f"kernel, dtype, rate (and optionally shape)")
+        rate = KernelRate(**entry)
+        if float(rate.rate) < 0:
+            raise ValueError(f"hardware profile device_kernel_rates rate must be >= 0, got {entry!r}")
+        out.append(dataclasses.replace(rate, rate=float(rate.rate), shape=tuple(int(d) for d in rate.shape)))
+    return tuple(out)
 
 
 def load_profile(path: str | os.PathLike) -> HardwareProfile:

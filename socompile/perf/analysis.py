@@ -55,6 +55,7 @@ class LayerCosts:
     # rsqrt, attention's logsumexp), so one dtype per layer would mislabel them.
     saved_by_dtype: tuple = ()
     selective_by_dtype: tuple = ()
+    saved_tensors: int = 0       # how many tensors ``saved`` is (an offload moves each one separately)
 
 
 @dataclasses.dataclass
@@ -142,7 +143,8 @@ def analyze(ir: IR, cost: CostModel, token_shard: int = 1) -> GraphCosts:
                 continue
             moved = cost.value(data["bytes"]) + sum(cost.value(nodes[p]["bytes"]) for p in g.predecessors(key))
             flops = cost.value(data["flops"])
-            out.append(float(cost.node_time(cls, flops / shard, moved / shard, data.get("dtype", ""))))
+            out.append(float(cost.node_time(cls, flops / shard, moved / shard, data.get("dtype", ""), data["op"],
+                                            data.get("attention_dims"))))
         return out
 
     fw_times, bw_times = times(ir.fw_order), times(ir.bw_order)
@@ -320,5 +322,5 @@ def _checkpoint_estimate(ir: IR, cost: CostModel, saved_roots: list[str], fw_tim
                                  boundary_expr=boundary[name], fw_time=layer_time.get(name, 0.0), bw_time=bw_time,
                                  attention_time=attn_time, attention_saved=cost.value(attn_expr),
                                  attention_saved_expr=attn_expr, saved_by_dtype=_by_dtype(ir, cost, roots),
-                                 selective_by_dtype=_by_dtype(ir, cost, checkpoints)))
+                                 selective_by_dtype=_by_dtype(ir, cost, checkpoints), saved_tensors=len(roots)))
     return kept, saved_per_layer, sum(layer_time.values()), layers

@@ -6,9 +6,12 @@ expression at the trace's shapes (or any other shapes) and caches it, so a 20k-n
 distinct size expressions costs a few hundred sympy evaluations.
 
     node time       = op latency + max(flops / (peak_flops[dtype] * eff[class]), bytes_moved / (hbm_bw * eff_mem))
-                      (op latency: 0 on a GPU, whose launches are queued ahead; a CPU "device" pays its dispatch)
+                      (op latency: 0 on a GPU, whose launches are queued ahead; a CPU "device" pays its dispatch;
+                      a calibrated CPU device: matmul and attention at the FLOP/s measured for their dtype and
+                      shape, elementwise bytes x the dtype's measured slowdown against fp32)
     transfer time   = latency + bytes / link_bw(direction)
-    CPU Adam time   = numel * bytes_per_param / cpu_adam_bw       (28 B/param fp32, 26 with bf16 grads, +2 bf16 copy)
+    CPU Adam time   = bucket overhead + numel * bytes_per_param / cpu_adam_bw   (28 B/param fp32, 26 with bf16
+                      grads, +2 bf16 copy; the overhead: the runtime's Python work per bucket, where measured)
     GPU Adam time   = numel * 30 / (hbm_bw * eff_mem)             (fused AdamW + bf16 weight copy, same streams)
     collective time = steps * latency + bytes sent per rank / (group bandwidth per GPU * NET_EFFICIENCY)
                       (ring reduce-scatter / all-gather: W-1 steps; all-to-all: 1 step, pairwise exchanges)
@@ -79,17 +82,33 @@ class CostModel:
         return self.symbol_values[name]
 
     # ---------------------------------------------------------------- formulas
-    def node_time(self, op_cls: str, flops, bytes_moved, dtype: str = ""):
+    def node_time(self, op_cls: str, flops, bytes_moved, dtype: str = "", op: str = "", attention_dims=None):
         """Seconds of one kernel: compute- or bandwidth-bound, whichever is slower (roofline), at the FLOP rate
-        of the dtype it computes in (``str(torch dtype)`` of its output; "" for the bf16 rate)."""
+        of the dtype it computes in (``str(torch dtype)`` of its output; "" for the bf16 rate). An attention
+        kernel (``op`` its name, ``attention_dims`` its query's (tokens, head dim)) and a matmul run at the
+        profile's measured rate for their kind, dtype and shape where it has one (flop_rate); an elementwise
+        kernel in a dtype the profile measured slower than fp32 takes that much longer than its bytes."""
         if op_cls == "free":
             return 0
         hw = self.hw
         memory = bytes_moved / (hw.device_bandwidth * EFFICIENCY["memory"])
         if op_cls == "memory" or flops == 0:
-            return hw.device_op_latency + memory
-        compute = flops / (hw.matmul_flops(dtype) * EFFICIENCY[op_cls])
+            return hw.device_op_latency + memory * hw.elementwise_slowdown(dtype)
+        compute = flops / self.flop_rate(op_cls, dtype, op, attention_dims, flops)
         return hw.device_op_latency + _max(compute, memory)
+
+    def flop_rate(self, op_cls: str, dtype: str = "", op: str = "", attention_dims=None, flops=0) -> float:
+        """Achieved FLOP/s of a compute kernel: the profile's rate measured on this kind of kernel at its shape
+        where it has one (already achieved: no efficiency factor), else the datasheet rate times the class's
+        efficiency. A matmul's shape is the side of the square matmul of its FLOPs (the measured ones are
+        square); an attention kernel's the (tokens, head dim) of its query."""
+        measured = 0.0
+        if op_cls == "attention" and attention_dims is not None:
+            kernel = "attention_backward" if "backward" in op else "attention"
+            measured = self.hw.kernel_flops(kernel, dtype, tuple(self.value(d) for d in attention_dims))
+        elif op_cls == "matmul" and isinstance(flops, (int, float)) and flops > 0:
+            measured = self.hw.kernel_flops("matmul", dtype, ((flops / 2) ** (1 / 3),))
+        return measured or self.hw.matmul_flops(dtype) * EFFICIENCY[op_cls]
 
     def transfer_time(self, nbytes, direction: str = "h2d"):
         """Seconds to move ``nbytes`` over the link; direction 'h2d' or 'd2h'."""
@@ -114,10 +133,11 @@ class CostModel:
 
     def cpu_adam_time(self, numel, grad_dtype_bytes: int = 4, writes_bf16_copy: bool = False,
                       bandwidth_scale: float = 1.0):
-        """Seconds of one CPU AdamW step over ``numel`` params (memory-bound: bytes per param / bandwidth)."""
+        """Seconds of one CPU AdamW step over ``numel`` params (memory-bound: bytes per param / bandwidth), plus
+        the runtime's Python work around each bucket's kernel where the profile measured it."""
         per_param = ADAM_BYTES_FP32_GRAD if grad_dtype_bytes == 4 else ADAM_BYTES_BF16_GRAD
         per_param += ADAM_BYTES_BF16_COPY if writes_bf16_copy else 0
-        return numel * per_param / (self.hw.adam_bandwidth * bandwidth_scale)
+        return self.hw.cpu_bucket_overhead + numel * per_param / (self.hw.adam_bandwidth * bandwidth_scale)
 
     def cpu_cast_time(self, numel, src_bytes: int = 4, dst_bytes: int = 2):
         """Seconds of a separate cast pass on the CPU (read src, write dst) at the Adam kernel's bandwidth."""

@@ -205,14 +205,20 @@ class _Step:
         """The plan's transfer of ``purpose`` for bucket ``bk`` (plan/transfers.py)."""
         return self.transfers[(bk.index, purpose)]
 
+    def _copy_time(self, lc, direction: str) -> float:
+        """An offloaded layer's copy one way: its bytes over the link, and half the runtime's measured work per
+        saved tensor (each tensor goes out and comes back on its own; 0 in the GPU profiles)."""
+        per_tensor = self.cost.hw.activation_offload_overhead / 2
+        tensors = lc.saved_tensors if self.choices[lc.name] == "offload" else 0
+        return self.cost.transfer_time(self._sent(lc), direction) + tensors * per_tensor
+
     def _copy_out(self, lc, seg: int) -> list:
-        self.offload_out[lc.name] = self.b.add(f"act out {lc.name}", "d2h",
-                                               self.cost.transfer_time(self._sent(lc), "d2h"), [seg], "transfer",
-                                               self._sent(lc))
+        self.offload_out[lc.name] = self.b.add(f"act out {lc.name}", "d2h", self._copy_time(lc, "d2h"), [seg],
+                                               "transfer", self._sent(lc))
         return []
 
     def _fetch(self, lc, gate: tuple[str, int]) -> list:
-        self.fetched[lc.name] = self.b.add(f"act in {lc.name}", "h2d", self.cost.transfer_time(self._sent(lc), "h2d"),
+        self.fetched[lc.name] = self.b.add(f"act in {lc.name}", "h2d", self._copy_time(lc, "h2d"),
                                            [self.seg_end.get(gate), self.offload_out.get(lc.name)], "transfer",
                                            self._sent(lc))
         return [self.fetched[lc.name]]
