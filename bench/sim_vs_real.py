@@ -4,7 +4,7 @@
 
 The "device" of a CPU-only build is this CPU (DESIGN section 5), so every plan shape the runtime supports runs
 here for real: the simulator replays each compiled plan on the ``this-machine`` profile (measured first by
-``socompile.hardware.calibrate``, as ``python -m socompile calibrate`` does) and the same compiled model trains
+``socompile.calibrate``, as ``python -m socompile calibrate`` does) and the same compiled model trains
 for a few steps. Per case: the simulated step, the measured median (with min-max over the timed steps; warm-up
 steps, which compile, are excluded) and sim/real. The last line is ``sim/real: min X max Y``; the goal is every
 ratio within 0.8-1.25.
@@ -73,7 +73,7 @@ def calibrated_profile_path(directory: str, as_gpu: bool = False, clock: str = "
     target (one profile for every case: the ratios compare the same model across shapes); the user's cached
     ``this-machine`` profile is left alone. ``as_gpu``: the model before CPU-only builds were modelled (a
     separate device, one FLOP rate for every dtype, no dispatch cost)."""
-    from socompile.hardware.calibrate import calibrate
+    from socompile.calibrate import calibrate
     from socompile.hardware.profiles import save_profile
     profile = calibrate(quick=True, clock=CLOCKS[clock])   # the clock the steps are timed on
     if as_gpu:

@@ -94,9 +94,10 @@ def capture(ctx: CompileContext, fw: fx.GraphModule, bw: fx.GraphModule, infos,
 def plan_once(ctx: CompileContext) -> None:
     """The plan of this compile: every decision, the per-layer activations (options.activation_layers pins some)
     and every prefetch distance included. The only call of the planner in a compile."""
-    from .plan import get_profile, plan
+    from .calibrate import profile_for_target
+    from .plan import plan
     with timed("plan"):
-        ctx.plan = plan(ctx.ir, get_profile(ctx.options.target), planning_options(ctx))
+        ctx.plan = plan(ctx.ir, profile_for_target(ctx.options.target), planning_options(ctx))
 
 
 def planning_options(ctx: CompileContext):

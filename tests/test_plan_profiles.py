@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from socompile.hardware.calibrate import calibrate
+from socompile.calibrate import calibrate
 from socompile.hardware import PROFILES, get_profile, load_profile, save_profile
 
 
@@ -88,6 +88,15 @@ def test_target_this_machine_without_a_cached_profile_calibrates_on_real_tensors
     assert cached.name == THIS_MACHINE and "measured by socompile calibrate (quick" in cached.source
     assert cached.host_bandwidth > 1e8 and cached.cpu_adam_bandwidth > 1e8
     assert get_profile(THIS_MACHINE) == cached   # later compiles read the cache
+
+
+def test_reading_this_machine_with_no_cached_profile_names_the_command_that_measures_it(tmp_path, monkeypatch):
+    """The hardware layer only reads the cache (measuring needs the runtime, a layer above): with none cached,
+    ``get_profile`` says where it looked and how to measure, instead of planning for a made-up machine."""
+    from socompile.hardware.profiles import THIS_MACHINE
+    monkeypatch.setenv("SOCOMPILE_PROFILE_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match=r"no measured profile of this machine at .*python -m socompile calibrate"):
+        get_profile(THIS_MACHINE)
 
 
 def test_interconnect_numbers_and_which_fabric_a_group_uses():

@@ -84,8 +84,9 @@ def _target_for_nodes(args) -> str:
     import dataclasses
     import tempfile
 
-    from ..hardware import get_profile, save_profile
-    hw = get_profile(args.target)
+    from ..calibrate import profile_for_target
+    from ..hardware import save_profile
+    hw = profile_for_target(args.target)
     per_node = max(1, -(-(args.dp * args.sp) // args.nodes))
     if per_node == hw.gpus_per_node:
         return args.target
@@ -176,7 +177,7 @@ def cmd_calibrate(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="this-machine")
     args = parser.parse_args(argv)
     writable_file(args.out, "--out")   # before measuring
-    from ..hardware.calibrate import calibrate
+    from ..calibrate import calibrate
     from ..hardware.profiles import profile_cache_path, save_profile
     profile = calibrate(quick=args.quick, name=args.name)
     path = save_profile(profile, args.out or profile_cache_path())

@@ -1,13 +1,13 @@
 """Resolve a ``target`` option to a hardware profile: a shipped name, ``this-machine`` or a profile file.
 
-Separate from profiles.py because ``this-machine`` measures the machine (calibrate.py), and calibrate.py builds
-its profile from profiles.py: with get_profile beside the profiles the two modules imported each other.
+``this-machine`` is read from the profile cache; measuring it (socompile/calibrate.py) needs the runtime, an upper
+layer, so a compile that finds no cache measures first (``socompile.calibrate.profile_for_target``).
 """
 from __future__ import annotations
 
 import os
 
-from .profiles import PROFILES, THIS_MACHINE, HardwareProfile, load_profile, profile_cache_path, save_profile
+from .profiles import PROFILES, THIS_MACHINE, HardwareProfile, load_profile, profile_cache_path
 
 
 def get_profile(name: str) -> HardwareProfile:
@@ -16,9 +16,10 @@ def get_profile(name: str) -> HardwareProfile:
         return PROFILES[name]
     if name == THIS_MACHINE:
         cached = profile_cache_path()
-        if cached.exists():
-            return load_profile(cached)
-        return _calibrate_and_cache(cached)
+        if not cached.exists():
+            raise ValueError(f"target {THIS_MACHINE!r}: no measured profile of this machine at {cached}; measure it "
+                             f"with `python -m socompile calibrate` (a compile measures it itself when uncached)")
+        return load_profile(cached)
     if name.endswith((".json", ".toml")) or os.sep in name:
         if not os.path.exists(name):
             raise ValueError(f"hardware profile file {name!r} does not exist")
@@ -29,17 +30,3 @@ def get_profile(name: str) -> HardwareProfile:
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise ValueError(f"unknown target {name!r}{hint}; known targets: {', '.join(known)}, or a .json/.toml "
                      f"profile file")
-
-
-def _calibrate_and_cache(path) -> HardwareProfile:
-    """Measure this machine as ``python -m socompile calibrate --quick`` does and cache the profile at ``path``.
-
-    A compile asks for the profile while AOTAutograd's fake mode (and functionalization) is active, where the
-    measuring buffers would be fake tensors with no memory to time: the measurement runs with no mode active."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    from .calibrate import calibrate
-    with _disable_current_modes():
-        profile = calibrate(quick=True)
-    save_profile(profile, path)
-    return profile

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import time
 
-from .profiles import ADAM_BYTES_FP32_GRAD, GB, THIS_MACHINE, HardwareProfile, KernelRate
+from .hardware.profiles import ADAM_BYTES_FP32_GRAD, GB, THIS_MACHINE, HardwareProfile, KernelRate
 
 # Query shapes (tokens, head dim) at which the CPU attention kernels are measured: their FLOP rate depends on
 # both (bf16 backward: ~9 GFLOP/s at 128 x 32, ~40 at 512 x 128 on one AVX512-BF16 core); the simulator
@@ -132,7 +132,7 @@ def measure_attention_flops(seq: int, head_dim: int, dtype, backward: bool, repe
     import torch
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
-    from ..capture.sizes import causal_fraction
+    from .capture.sizes import causal_fraction
     aten = torch.ops.aten
     slices = max(1, ATTENTION_TOKENS // seq)
     q, k, v = (torch.randn(1, seq, slices, head_dim).to(dtype).transpose(1, 2) for _ in range(3))
@@ -187,7 +187,7 @@ def measure_copy_latency(repeats: int = 200, clock=time.perf_counter) -> float:
     "link" transfer (runtime/device.py CPURuntime): the hand-off, not the bytes."""
     import torch
 
-    from ..runtime.device import CPURuntime
+    from .runtime.device import CPURuntime
     runtime = CPURuntime()
     stream = runtime.stream("calibrate")
     src, dst = torch.zeros(16), torch.empty(16)
@@ -208,7 +208,7 @@ def measure_bucket_overhead(buckets: int = 64, numel: int = 1024, repeats: int =
     work), the difference per extra bucket."""
     import torch
 
-    from ..optim.adamw import AdamW
+    from .optim.adamw import AdamW
     params = [torch.nn.Parameter(torch.zeros(numel)) for _ in range(buckets)]
     grads = [torch.full((numel,), 1e-3) for _ in params]
 
@@ -232,9 +232,9 @@ def measure_activation_offload_overhead(tensors: int = 16, repeats: int = 10, cl
     the bytes (those are charged at the copy bandwidth)."""
     import torch
 
-    from ..ops import activation_ops  # noqa: F401  (registers torch.ops.socompile's activation ops)
-    from ..runtime.activation_offload import ActivationOffloadRuntime
-    from ..runtime.device import CPURuntime
+    from .ops import activation_ops  # noqa: F401  (registers torch.ops.socompile's activation ops)
+    from .runtime.activation_offload import ActivationOffloadRuntime
+    from .runtime.device import CPURuntime
     device = CPURuntime()
     runtime = ActivationOffloadRuntime(device)
     ops, saved = torch.ops.socompile, [torch.zeros(16) for _ in range(tensors)]
@@ -310,3 +310,20 @@ def calibrate(quick: bool = False, name: str = THIS_MACHINE, clock=time.perf_cou
         activation_offload_overhead=0.0 if torch.cuda.is_available() else measure_activation_offload_overhead(
             clock=clock),
         source=f"measured by socompile calibrate ({'quick' if quick else 'full'}; {where}; CPU Adam: {adam_kind})")
+
+
+def profile_for_target(target: str) -> HardwareProfile:
+    """The profile a ``target`` option names; ``this-machine`` with no cached profile is measured now (as
+    ``python -m socompile calibrate --quick`` does) and cached where that command caches it.
+
+    A compile asks for the profile while AOTAutograd's fake mode (and functionalization) is active, where the
+    measuring buffers would be fake tensors with no memory to time: the measurement runs with no mode active."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from .hardware.profiles import profile_cache_path, save_profile
+    from .hardware.targets import get_profile
+    cached = profile_cache_path()
+    if target == THIS_MACHINE and not cached.exists():
+        with _disable_current_modes():
+            save_profile(calibrate(quick=True), cached)
+    return get_profile(target)
