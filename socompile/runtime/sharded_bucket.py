@@ -118,6 +118,8 @@ class DeviceShard:
         self.pool = zero_pool(self.runtime)
         self.grads = None
         self.work = None                 # the reduce-scatter in flight (gloo), waited once (wait_reduced)
+        self.gather = None               # the weights' all-gather in flight (distributed/zero_gather.py), waited
+        #                                  once, by the first reader of the weights (wait_gathered)
         self._work_lock = threading.Lock()
         self.shard_buffer = self.runtime.empty(self.chunk, self.dtype).zero_()
         self.stage = bucket.book_host(STAGING, self.runtime.host_buffer(self.chunk, torch.bfloat16), True) \
@@ -135,6 +137,7 @@ class DeviceShard:
         return self.element_size * (self.chunk + self.padded - self.numel)
 
     def close(self) -> None:
+        self.wait_gathered()
         self.release_grads()
         self.pool.ledger.free(SHARDS, id(self))
 
@@ -171,9 +174,19 @@ class DeviceShard:
         self.d2h_bytes += self.chunk * self.element_size
 
     # ------------------------------------------------------------------- weights
+    def wait_gathered(self) -> bool:
+        """Wait for the weights' all-gather in flight, if any (NCCL: the current stream waits; gloo: this thread
+        blocks until done); True when there was one. Training thread only."""
+        pending, self.gather = self.gather, None
+        if pending is None:
+            return False
+        pending.wait()
+        return True
+
     def upload_shard(self, bucket) -> None:
         """The master shard, cast to the weights' dtype on the host (bf16: the pinned stage), into the shard
         buffer on the "h2d" stream; the compute stream waits for it (the all-gather or the window copy reads it)."""
+        self.wait_gathered()              # the previous all-gather read the shard buffer and writes the weights
         bucket.before_host_write()        # the previous upload read the stage / master: it must be done
         bucket.wait_grads()               # the gradient shard's D2H copy read the shard buffer
         src = bucket.master
