@@ -171,3 +171,140 @@ def test_weight_all_gathers_overlap_the_next_forward_each_waited_right_before_it
         assert all(s["loss"] == s["loss"] for s in r["steps"]), "no forward read NaN weights"
         assert r["err"] < TOL, r["err"]
     assert results[0]["weights_sum"] == results[1]["weights_sum"], "the gathered weights are equal on every rank"
+
+
+# ------------------------------------------------------------------ sharded checkpoints of a device-sharded run
+# bf16 weights (their fp32 master is in the checkpoint, as each rank's piece), 2 ranks, eager, clipping.
+SAVE_AT, STEPS = 2, 4
+
+
+def _build_bf16(seed: int):
+    import socompile
+    from socompile.models import build
+    torch.manual_seed(seed)
+    model = build("tiny", n_layers=1).to(torch.bfloat16)
+    return model, socompile.AdamW(model.parameters(), max_grad_norm=CLIP, bucket_size="40KB", **HYPER)
+
+
+def _train(model, opt, batches, rank: int, world: int) -> list[float]:
+    rows = ROWS // world
+    norms = []
+    for tokens in batches:
+        mine = tokens[rank * rows:(rank + 1) * rows]
+        F.cross_entropy(model(mine[:, :-1]).float().flatten(0, 1), mine[:, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+        norms.append(opt.last_grad_norm)
+    return norms
+
+
+def _master_pieces(opt) -> dict[int, tuple[int, torch.Tensor]]:
+    """Parameter index (in the optimizer) -> (first element, this rank's piece of its flat fp32 master)."""
+    index_of = {id(p): k for k, p in enumerate(opt._all_params())}
+    out = {}
+    for b in opt.buckets:
+        for i, p in enumerate(b.params):
+            a, c = b.held(i) or (0, 0)
+            start = b.offsets[i] + a
+            out[index_of[id(p)]] = (a, b.master[b.host(start, start + c - a)].clone())
+    return out
+
+
+def _weights(model, opt) -> dict[str, torch.Tensor]:
+    with opt.materialized_weights():
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _save_worker(args: dict) -> dict:
+    import socompile.distributed as sd
+    topo = sd.init_distributed(timeout_s=60)
+    batches = _batches(STEPS)
+    model, opt = _build_bf16(0)
+    sd.shard_optimizer(opt, topo.world_group)
+    _train(model, opt, batches[:SAVE_AT], topo.rank, topo.world_size)
+    sd.save(args["dir"], model, opt, step=SAVE_AT)
+    saved = _master_pieces(opt)
+    norms = _train(model, opt, batches[SAVE_AT:], topo.rank, topo.world_size)
+    torch.save({"saved": saved, "final": _master_pieces(opt), "weights": _weights(model, opt), "norms": norms},
+               f"{args['out']}.{topo.rank}")
+    device_sharded = all(b.device_shard is not None for b in opt.buckets)
+    sd.shutdown()
+    return {"device_sharded": device_sharded}
+
+
+def _resume_worker(args: dict) -> dict:
+    """A restarted rank: other initial values, the checkpoint loaded, the rest of the run."""
+    import socompile.distributed as sd
+    topo = sd.init_distributed(timeout_s=60)
+    model, opt = _build_bf16(1)
+    sd.shard_optimizer(opt, topo.world_group)
+    extra = sd.load(args["dir"], model, opt)
+    loaded = _master_pieces(opt)
+    norms = _train(model, opt, _batches(STEPS)[SAVE_AT:], topo.rank, topo.world_size)
+    torch.save({"loaded": loaded, "final": _master_pieces(opt), "weights": _weights(model, opt), "norms": norms},
+               f"{args['out']}.{topo.rank}")
+    sd.shutdown()
+    return {"extra": extra}
+
+
+@pytest.fixture(scope="module")
+def device_saved(tmp_path_factory):
+    """A checkpoint written by 2 device-sharded ranks after SAVE_AT of STEPS steps, and how that run went on."""
+    root = tmp_path_factory.mktemp("device-dcp")
+    args = {"dir": str(root / "ckpt"), "out": str(root / "uninterrupted")}
+    results = _ok(run_local(f"{HERE}:_save_worker", 2, args, timeout_s=240, env=EMULATED))
+    assert all(r["device_sharded"] for r in results)
+    return args, [torch.load(f"{args['out']}.{rank}", weights_only=True) for rank in range(2)]
+
+
+def _whole(pieces_of_ranks: list[dict], index: int) -> torch.Tensor:
+    parts = sorted(pieces_of_ranks[rank][index] for rank in range(len(pieces_of_ranks)))
+    return torch.cat([piece for _, piece in parts])
+
+
+def test_device_sharded_checkpoint_resumes_bitwise_on_restarted_ranks(device_saved, tmp_path):
+    args, runs = device_saved
+    out = str(tmp_path / "resumed")
+    results = _ok(run_local(f"{HERE}:_resume_worker", 2, {"dir": args["dir"], "out": out}, timeout_s=240,
+                            env=EMULATED))
+    for rank, r in enumerate(results):
+        assert r["extra"] == {"step": SAVE_AT}
+        resumed, run = torch.load(f"{out}.{rank}", weights_only=True), runs[rank]
+        for k, (offset, piece) in run["saved"].items():   # this rank's master shard, as saved, bit for bit
+            assert resumed["loaded"][k][0] == offset and torch.equal(resumed["loaded"][k][1], piece), k
+        # the same layout continues bitwise: norms, fp32 master shards, gathered bf16 weights
+        assert resumed["norms"] == run["norms"]
+        for k, (_, piece) in run["final"].items():
+            assert torch.equal(resumed["final"][k][1], piece), k
+        assert all(torch.equal(w, run["weights"][n]) for n, w in resumed["weights"].items())
+
+
+def test_device_sharded_checkpoint_loads_whole_into_one_process_and_a_corrupt_piece_is_refused(
+        device_saved, tmp_path, monkeypatch):
+    import shutil
+
+    import socompile.distributed as sd
+    args, runs = device_saved
+    monkeypatch.setenv("SOCOMPILE_RUNTIME", "emulated")
+    model, opt = _build_bf16(1)
+    assert sd.load(args["dir"], model, opt) == {"step": SAVE_AT}
+    # the ranks' pieces of every master, whole in one process (another world size: the pieces re-shard)
+    index_of = {id(p): k for k, p in enumerate(opt._all_params())}
+    for b in opt.buckets:
+        for i, p in enumerate(b.params):
+            master = b.view(b.master, i).reshape(-1)
+            assert torch.equal(master, _whole([r["saved"] for r in runs], index_of[id(p)]))
+            assert torch.equal(p.detach().reshape(-1), master.to(torch.bfloat16)), "weights: the master rounded"
+    # a flipped byte in rank 1's piece of a master: the load names the entry and the piece
+    k, (offset, piece) = next((k, v) for k, v in runs[1]["saved"].items() if v[1].numel() > 8)
+    copy_dir = tmp_path / "ckpt"
+    shutil.copytree(args["dir"], copy_dir)
+    data = copy_dir / "__1_0.distcp"
+    raw = bytearray(data.read_bytes())
+    start = raw.find(piece.numpy().tobytes())
+    assert start > 0
+    raw[start + 4 * (piece.numel() // 2) + 1] ^= 0x10
+    data.write_bytes(bytes(raw))
+    with pytest.raises(RuntimeError, match=rf"sharded checkpoint {copy_dir} is corrupt: the bytes of "
+                                           rf"optim\.state\.{k}\.master@{offset} do not match the checksum"):
+        sd.load(copy_dir, *_build_bf16(1))
