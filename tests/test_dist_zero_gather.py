@@ -28,7 +28,7 @@ EMULATED = {"SOCOMPILE_RUNTIME": "emulated"}
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-6)
 CLIP = 0.5
 TOL = 3e-5      # fp32 weights vs torch (module docstring)
-ROWS = 4        # rows per step, split between the ranks
+ROWS = 6        # rows per step, split between the ranks (1, 2 or 3 of them)
 
 
 def _batches(steps: int):
@@ -225,26 +225,35 @@ def _save_worker(args: dict) -> dict:
     sd.save(args["dir"], model, opt, step=SAVE_AT)
     saved = _master_pieces(opt)
     norms = _train(model, opt, batches[SAVE_AT:], topo.rank, topo.world_size)
-    torch.save({"saved": saved, "final": _master_pieces(opt), "weights": _weights(model, opt), "norms": norms},
-               f"{args['out']}.{topo.rank}")
+    run = {"saved": saved, "final": _master_pieces(opt), "weights": _weights(model, opt), "norms": norms}
     device_sharded = all(b.device_shard is not None for b in opt.buckets)
+    del model, opt
+    resumed = _resume(args["dir"], topo)   # new model and optimizer in the same processes (a new process: slow test)
+    torch.save({**run, "resumed": resumed}, f"{args['out']}.{topo.rank}")
     sd.shutdown()
     return {"device_sharded": device_sharded}
 
 
-def _resume_worker(args: dict) -> dict:
-    """A restarted rank: other initial values, the checkpoint loaded, the rest of the run."""
+def _resume(path: str, topo) -> dict:
+    """Other initial values, the checkpoint loaded, the rest of the run."""
     import socompile.distributed as sd
-    topo = sd.init_distributed(timeout_s=60)
     model, opt = _build_bf16(1)
     sd.shard_optimizer(opt, topo.world_group)
-    extra = sd.load(args["dir"], model, opt)
+    extra = sd.load(path, model, opt)
     loaded = _master_pieces(opt)
     norms = _train(model, opt, _batches(STEPS)[SAVE_AT:], topo.rank, topo.world_size)
-    torch.save({"loaded": loaded, "final": _master_pieces(opt), "weights": _weights(model, opt), "norms": norms},
-               f"{args['out']}.{topo.rank}")
+    return {"extra": extra, "loaded": loaded, "final": _master_pieces(opt), "weights": _weights(model, opt),
+            "norms": norms}
+
+
+def _resume_worker(args: dict) -> dict:
+    """A restarted rank: a new process loads the checkpoint and runs the rest."""
+    import socompile.distributed as sd
+    topo = sd.init_distributed(timeout_s=60)
+    resumed = _resume(args["dir"], topo)
+    torch.save(resumed, f"{args['out']}.{topo.rank}")
     sd.shutdown()
-    return {"extra": extra}
+    return {"extra": resumed["extra"]}
 
 
 @pytest.fixture(scope="module")
@@ -262,21 +271,30 @@ def _whole(pieces_of_ranks: list[dict], index: int) -> torch.Tensor:
     return torch.cat([piece for _, piece in parts])
 
 
+def _check_resumed_bitwise(resumed: dict, run: dict) -> None:
+    assert resumed["extra"] == {"step": SAVE_AT}
+    for k, (offset, piece) in run["saved"].items():   # this rank's master shard, as saved, bit for bit
+        assert resumed["loaded"][k][0] == offset and torch.equal(resumed["loaded"][k][1], piece), k
+    # the same layout continues bitwise: norms, fp32 master shards, gathered bf16 weights
+    assert resumed["norms"] == run["norms"]
+    for k, (_, piece) in run["final"].items():
+        assert torch.equal(resumed["final"][k][1], piece), k
+    assert all(torch.equal(w, run["weights"][n]) for n, w in resumed["weights"].items())
+
+
+def test_device_sharded_checkpoint_resumes_bitwise_at_the_same_world_size(device_saved):
+    _, runs = device_saved
+    for run in runs:
+        _check_resumed_bitwise(run["resumed"], run)
+
+
+@pytest.mark.slow
 def test_device_sharded_checkpoint_resumes_bitwise_on_restarted_ranks(device_saved, tmp_path):
     args, runs = device_saved
     out = str(tmp_path / "resumed")
-    results = _ok(run_local(f"{HERE}:_resume_worker", 2, {"dir": args["dir"], "out": out}, timeout_s=240,
-                            env=EMULATED))
-    for rank, r in enumerate(results):
-        assert r["extra"] == {"step": SAVE_AT}
-        resumed, run = torch.load(f"{out}.{rank}", weights_only=True), runs[rank]
-        for k, (offset, piece) in run["saved"].items():   # this rank's master shard, as saved, bit for bit
-            assert resumed["loaded"][k][0] == offset and torch.equal(resumed["loaded"][k][1], piece), k
-        # the same layout continues bitwise: norms, fp32 master shards, gathered bf16 weights
-        assert resumed["norms"] == run["norms"]
-        for k, (_, piece) in run["final"].items():
-            assert torch.equal(resumed["final"][k][1], piece), k
-        assert all(torch.equal(w, run["weights"][n]) for n, w in resumed["weights"].items())
+    _ok(run_local(f"{HERE}:_resume_worker", 2, {"dir": args["dir"], "out": out}, timeout_s=240, env=EMULATED))
+    for rank, run in enumerate(runs):
+        _check_resumed_bitwise(torch.load(f"{out}.{rank}", weights_only=True), run)
 
 
 def test_device_sharded_checkpoint_loads_whole_into_one_process_and_a_corrupt_piece_is_refused(
@@ -308,3 +326,25 @@ def test_device_sharded_checkpoint_loads_whole_into_one_process_and_a_corrupt_pi
     with pytest.raises(RuntimeError, match=rf"sharded checkpoint {copy_dir} is corrupt: the bytes of "
                                            rf"optim\.state\.{k}\.master@{offset} do not match the checksum"):
         sd.load(copy_dir, *_build_bf16(1))
+
+
+# bf16 weights resumed on another world size: each rank's gradients are summed in another order in bf16, so the run
+# after the resume differs from the uninterrupted one by bf16 rounding of the gradients (a few 2^-9 relative):
+# norms within 2% (tests/test_dist_zero_device.py's BF16_NORM_RTOL derivation, the same model and data).
+BF16_NORM_RTOL = 2e-2
+
+
+@pytest.mark.slow
+def test_device_sharded_checkpoint_saved_by_2_ranks_resumes_on_3(device_saved, tmp_path):
+    args, runs = device_saved
+    out = str(tmp_path / "resumed3")
+    results = _ok(run_local(f"{HERE}:_resume_worker", 3, {"dir": args["dir"], "out": out}, timeout_s=300,
+                            env=EMULATED))
+    assert all(r["extra"] == {"step": SAVE_AT} for r in results)
+    resumed = [torch.load(f"{out}.{rank}", weights_only=True) for rank in range(3)]
+    for k in runs[0]["saved"]:   # re-sharded exactly: the 3 ranks' pieces are the 2 ranks' pieces, bit for bit
+        assert torch.equal(_whole([r["loaded"] for r in resumed], k), _whole([r["saved"] for r in runs], k)), k
+    for r in resumed:
+        assert r["norms"] == resumed[0]["norms"], "every rank sees the same global norm"
+        for ours, theirs in zip(r["norms"], runs[0]["norms"]):
+            assert abs(ours - theirs) <= BF16_NORM_RTOL * theirs, (ours, theirs)
