@@ -19,7 +19,7 @@ What is in the directory (DCP keys):
     checksums.<rank>                  crc32s (``integrity.py``) of what that rank wrote: each moment piece as
                                       ``<key>@<offset>``, and (rank 0) the whole tensors: model, steps, masters
 
-Verified (format version 2): after the load every rank recomputes the crc32 of the whole tensors and of each
+Verified (format version 2 and later): after the load every rank recomputes the crc32 of the whole tensors and of each
 saved piece that lies inside what it loaded (all of them when the world size and bucket layout are the saving
 run's, or in one process; pieces that straddle two loading ranks' windows are not verified), and checks the
 values (moments finite, second moments >= 0). A problem on any rank raises on every rank (no rank is left

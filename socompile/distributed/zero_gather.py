@@ -1,15 +1,16 @@
 """The weight all-gather of device-sharded buckets (runtime/sharded_bucket.py), overlapped with the next forward.
 
 ``opt.step()`` uploads each bucket's updated master shard and *issues* the all-gather of its device weights
-(async: ``zero_device.publish``), in the order the next forward first reads the buckets (``host_master.upload_order``: ``fw_rank``, set
-by passes/wait_uploads.py). Nothing waits there. Each bucket's all-gather is waited for once, by the first thing
-that reads its weights (``DeviceShard.wait_gathered``, called from ``FlatBucket.wait_upload_on_compute``):
+(async: ``zero_device.publish``), in the order the next forward first reads the buckets
+(``host_master.upload_order``: ``fw_rank``, set by passes/wait_uploads.py). Nothing waits there. Each bucket's
+all-gather is waited for once, by the first thing that reads its weights (``DeviceShard.wait_gathered``, called
+from ``FlatBucket.wait_upload_on_compute``):
 
     compiled forward        socompile::wait_upload, right before the bucket's first read (passes/wait_uploads.py)
     eager forward           a forward pre-hook on the modules owning the parameters (``wait_before_eager_reads``)
     state_dict, checkpoints the model's state_dict hook, ``opt.materialized_weights`` / ``opt.wait_uploads``
     step / backward         the next upload or reduce-scatter into the shard buffer (the all-gather reads it)
-    re-layout, teardown     ``ZeroSharding.unshard_state``, ``DeviceShard.close``
+    re-layout, teardown     ``ZeroSharding.unshard_state``, ``DeviceShard.close``, ``AdamW.__del__`` / hand-over
     buckets no compiled forward waits for (``graph_waits_upload`` False): at the end of ``step()`` (``_upload``)
 
 What a wait costs: with NCCL ``work.wait()`` makes the current (compute) stream wait for the collective, no host
@@ -38,11 +39,6 @@ class PendingGather:
     def wait(self) -> None:
         with guard(f"all-gather of bucket {self.bucket_index} (device, wait)", self.group):
             self.work.wait()
-
-
-def gathers_pending(buckets) -> list[int]:
-    """Indices of the buckets whose weights' all-gather was issued and not yet waited for."""
-    return [b.index for b in buckets if b.device_shard is not None and b.device_shard.gather is not None]
 
 
 class _WaitBeforeEagerForward:
