@@ -229,9 +229,34 @@ def _save_worker(args: dict) -> dict:
     device_sharded = all(b.device_shard is not None for b in opt.buckets)
     del model, opt
     resumed = _resume(args["dir"], topo)   # new model and optimizer in the same processes (a new process: slow test)
-    torch.save({**run, "resumed": resumed}, f"{args['out']}.{topo.rank}")
+    torch.save({**run, "resumed": resumed, "from_host_path": _load_a_host_path_checkpoint(args["dir"] + "-host", topo)},
+               f"{args['out']}.{topo.rank}")
     sd.shutdown()
     return {"device_sharded": device_sharded}
+
+
+def _load_a_host_path_checkpoint(path: str, topo) -> bool:
+    """A checkpoint of the host path (CPU runtime: every rank's master whole, saved whole) loaded by a device-sharded
+    run: True when each rank's master shard is its window of the saved master, bit for bit."""
+    import os
+
+    import socompile.distributed as sd
+    os.environ["SOCOMPILE_RUNTIME"] = "cpu"
+    model, opt = _build_bf16(0)
+    os.environ["SOCOMPILE_RUNTIME"] = "emulated"
+    sd.shard_optimizer(opt, topo.world_group)
+    _train(model, opt, _batches(SAVE_AT), topo.rank, topo.world_size)
+    sd.save(path, model, opt, step=SAVE_AT)
+    index_of = {id(p): k for k, p in enumerate(opt._all_params())}
+    whole = {index_of[id(p)]: b.view(b.master, i).reshape(-1).clone() for b in opt.buckets
+             for i, p in enumerate(b.params)}
+    assert not any(b.device_shard for b in opt.buckets)
+    fresh, fresh_opt = _build_bf16(1)
+    sd.shard_optimizer(fresh_opt, topo.world_group)
+    sd.load(path, fresh, fresh_opt)
+    assert all(b.device_shard for b in fresh_opt.buckets)
+    return all(torch.equal(piece, whole[k][offset:offset + piece.numel()])
+               for k, (offset, piece) in _master_pieces(fresh_opt).items())
 
 
 def _resume(path: str, topo) -> dict:
@@ -286,6 +311,7 @@ def test_device_sharded_checkpoint_resumes_bitwise_at_the_same_world_size(device
     _, runs = device_saved
     for run in runs:
         _check_resumed_bitwise(run["resumed"], run)
+        assert run["from_host_path"], "a whole master saved by the host path loads into the device shards exactly"
 
 
 @pytest.mark.slow
