@@ -12,12 +12,14 @@ What is in the directory (DCP keys):
                                       contiguous piece its buckets' windows hold, so the pieces tile the tensor
     optim.state.<k>.master            separate host master (host_master="separate") and a parameter that is not
                                       fp32: the fp32 master its (bf16) weights round, whole, like the model (the
-                                      same on every rank after the all-gather: DCP writes it once)
+                                      same on every rank after the all-gather: DCP writes it once); device-side
+                                      ZeRO (runtime/sharded_bucket.py: each rank holds 1/W of the master) writes
+                                      it flat, as pieces, like the moments. A load takes either form
     optim.param_groups, extra, meta   small pickled values (read back with weights_only=True)
     checksums.<rank>                  crc32s (``integrity.py``) of what that rank wrote: each moment piece as
                                       ``<key>@<offset>``, and (rank 0) the whole tensors: model, steps, masters
 
-Verified (format version 2): after the load every rank recomputes the crc32 of the whole tensors and of each
+Verified (format version 2 and later): after the load every rank recomputes the crc32 of the whole tensors and of each
 saved piece that lies inside what it loaded (all of them when the world size and bucket layout are the saving
 run's, or in one process; pieces that straddle two loading ranks' windows are not verified), and checks the
 values (moments finite, second moments >= 0). A problem on any rank raises on every rank (no rank is left
@@ -68,7 +70,7 @@ from .. import integrity
 from ..checkpoint import _fsync_dir, _module, log
 
 FORMAT = "socompile-dcp-checkpoint"
-VERSION = 2   # 2: "checksums.<rank>" entries; 1: none
+VERSION = 3   # 3: a device-sharded bucket's fp32 master as flat pieces; 2: "checksums.<rank>" entries; 1: none
 
 
 class _FlatPiece:
@@ -169,9 +171,42 @@ def _optimizer_entries(optimizer, fresh_steps: bool):
                 part = bucket.state_part(buffer, i) if held is not None else buffer[:0]
                 entry[key] = _FlatPiece(part, a, p.numel())
             if bucket.mirror and p.dtype != torch.float32:   # the fp32 master the low-precision weights round
-                entry["master"] = (torch.empty(p.shape, dtype=torch.float32) if fresh_steps
-                                   else bucket.view(bucket.master, i))
+                if bucket.device_shard is not None:   # device-side ZeRO: this rank's piece, as the moments
+                    entry["master"] = _FlatPiece(torch.empty(b - a, dtype=torch.float32) if fresh_steps
+                                                 else _master_piece(bucket, i), a, p.numel())
+                else:
+                    entry["master"] = (torch.empty(p.shape, dtype=torch.float32) if fresh_steps
+                                       else bucket.view(bucket.master, i))
             yield index_of[id(p)], p, bucket, i, entry
+
+
+def _master_piece(bucket, i: int) -> torch.Tensor:
+    """The part of parameter i's fp32 master that a device-sharded bucket holds (its ``held(i)`` elements: the
+    master's window is the moments'), flat."""
+    a, b = bucket.held(i) or (0, 0)
+    start = bucket.offsets[i] + a
+    return bucket.master[bucket.host(start, start + b - a)]
+
+
+def _master_as_saved(entry: dict, saved_size: torch.Size) -> None:
+    """Make a load entry's master take the form the checkpoint has it in: whole in the parameter's shape (a
+    run without device-side ZeRO wrote it) or flat pieces (a device-sharded run wrote them). DCP reads chunks in
+    the saved tensor's coordinates, so a flat piece cannot be read from a whole N-d tensor, nor the reverse:
+    the other form is loaded whole into a temporary (one parameter at a time) and copied (``_store_master``)."""
+    master = entry["master"]
+    wanted = master.size() if isinstance(master, _FlatPiece) else master.shape
+    if saved_size != wanted:
+        entry["master"] = torch.empty(saved_size, dtype=torch.float32)
+
+
+def _store_master(bucket, i: int, value) -> None:
+    """A loaded fp32 master (a piece of it, or the whole parameter in either form) into the bucket's master."""
+    if bucket.device_shard is None:
+        bucket.view(bucket.master, i).copy_(value.reshape(bucket.params[i].shape))
+    elif isinstance(value, _FlatPiece):
+        _master_piece(bucket, i).copy_(value.local)
+    else:
+        bucket._load_segment_window(i, value)   # whole: this rank's window of it
 
 
 def _groups(optimizer) -> list[dict]:
@@ -256,6 +291,8 @@ def load(path: str | os.PathLike, model=None, optimizer=None, *, group=None, str
         for k, *_, entry in entries:   # a checkpoint without the fp32 master: the master comes from the weights
             if "master" in entry and f"optim.state.{k}.master" not in saved:
                 del entry["master"]
+            elif "master" in entry:
+                _master_as_saved(entry, saved[f"optim.state.{k}.master"].size)
         state["optim"] = {"state": {str(k): entry for k, *_, entry in entries}, "param_groups": b""}
     with _weights_held(model, optimizer, pull=True):
         if model is not None:
@@ -268,7 +305,7 @@ def load(path: str | os.PathLike, model=None, optimizer=None, *, group=None, str
     masters = [(bucket, i, entry["master"]) for _, _, bucket, i, entry in entries if "master" in entry]
     for bucket, i, master in masters:   # after the pull from the weights: the saved fp32 master wins
         bucket.before_host_write()
-        bucket.view(bucket.master, i).copy_(master)
+        _store_master(bucket, i, master)
         bucket.master_changed()
     if masters:
         optimizer._upload(optimizer.buckets)
@@ -343,8 +380,11 @@ def _verified(path: pathlib.Path, state: dict) -> Exception | None:
 def _checkable_parts(name: str, value, saved: dict, pieces: list[tuple[int, int, int]]):
     """(label, tensor, saved crc32) for what this rank can recompute: a whole tensor, or the saved pieces
     that lie inside its own piece."""
-    if not isinstance(value, _FlatPiece):
-        return [(name, value, saved[name][0])] if name in saved else []
+    if not isinstance(value, _FlatPiece):   # whole: the tensor, or the pieces a device-sharded run saved of it
+        if name in saved:
+            return [(name, value, saved[name][0])]
+        flat = value.reshape(-1)
+        return [(f"{name}@{offset}", flat[offset:offset + numel], crc) for offset, numel, crc in pieces]
     start, stop = value.offset, value.offset + value.local.numel()
     return [(f"{name}@{offset}", value.local[offset - start:offset - start + numel], crc)
             for offset, numel, crc in pieces if start <= offset and offset + numel <= stop]

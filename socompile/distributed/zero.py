@@ -45,8 +45,9 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from ..runtime.host_master import upload_order
 from ..runtime.sharded_bucket import widen_from_gathered, zero_pool
-from . import zero_device
+from . import zero_device, zero_gather
 from .faults import agree_across_ranks, field_hashes, guard
 
 
@@ -82,6 +83,7 @@ class ZeroSharding:
         self._inflight: dict[int, tuple] = {}    # id(bucket) -> (work, received shard, bucket)
         self._reduced: set[int] = set()          # ids of buckets whose shard holds reduced gradients now
         self.stream_ordered = zero_device.stream_ordered(group)   # NCCL: waits order streams (zero_device.py)
+        self.eager_forward_hooks: list = []      # device-side ZeRO: forward pre-hooks that wait for all-gathers
 
     # ---------------------------------------------------------------- layout
     def shard_of(self, bucket) -> _Shard:
@@ -101,6 +103,7 @@ class ZeroSharding:
                                "every rank must build the same optimizer and compile with the same options.")
         for bucket in buckets:
             if bucket.device_shard is not None:   # master and moments are sharded: all of them come back whole
+                bucket.device_shard.wait_gathered()   # its weights' all-gather: issued, so waited, on every rank
                 widen_from_gathered(bucket, *zero_device.gather_whole(self, bucket))
                 continue
             shard = self.shard_of(bucket)
@@ -210,11 +213,11 @@ class ZeroSharding:
                 break
         if not changed:   # skipped step: no rank changed its shard
             return
-        for bucket in buckets:
+        for bucket in upload_order(buckets):   # the order the next forward reads them (the same on every rank)
             if not any(bucket.has_grad):
                 continue
-            if bucket.device_shard is not None:   # upload the shard, all-gather the device weights
-                zero_device.publish(self, bucket)
+            if bucket.device_shard is not None:   # upload the shard, issue the device weights' all-gather
+                zero_device.publish(self, bucket)   # waited by the weights' first reader (zero_gather.py)
                 continue
             shard = self.shard_of(bucket)
             mine = torch.zeros(shard.chunk, dtype=bucket.master.dtype)
@@ -265,6 +268,9 @@ def shard_optimizer(optimizer, group=None, broadcast_from: int | None = 0) -> Ze
     optimizer._sharding = sharding
     for runtime in {id(b.runtime): b.runtime for b in optimizer.buckets if b.runtime is not None}.values():
         zero_pool(runtime).collectives = sharding   # flow buckets' fetches all-gather through it (later claims too)
+    if sharding.world > 1 and optimizer.host_master == "separate" and optimizer.runtime_kind in ("cuda", "emulated"):
+        # device-side ZeRO: step() leaves the weights' all-gathers in flight; an eager forward waits first
+        sharding.eager_forward_hooks = zero_gather.wait_before_eager_reads(optimizer)
     for bucket in optimizer.buckets:
         for i, p in enumerate(bucket.params):
             if p in optimizer.state:

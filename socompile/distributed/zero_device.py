@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .faults import guard
+from .zero_gather import PendingGather
 
 
 def takes_host_tensors(group) -> bool:
@@ -52,6 +53,7 @@ def start(sharding, bucket) -> object | None:
     """Issue the reduce-scatter (sum) of the bucket's device gradients; returns its work (None once landed:
     stream-ordered backends land at once, see the NOTE)."""
     shard = bucket.device_shard
+    shard.wait_gathered()   # the weights' all-gather reads the shard buffer this writes (done by now: forward)
     with guard(f"reduce-scatter of bucket {bucket.index} (device)", sharding.group):
         work = dist.reduce_scatter_tensor(shard.reduce_output(), shard.grads, op=dist.ReduceOp.SUM,
                                           group=sharding.group, async_op=True)
@@ -77,16 +79,17 @@ def finish(bucket, work, group) -> None:
 
 
 def publish(sharding, bucket) -> None:
-    """The updated master shard up (cast to the weights' dtype) and the device weights all-gathered from every
-    rank's shard, in the weights' dtype; the next forward reads them after it (stream order on CUDA; gloo's
-    all-gather returns when done)."""
+    """The updated master shard up (cast to the weights' dtype) and the all-gather of the device weights from
+    every rank's shard, in the weights' dtype, issued (async): the first reader of the weights waits for it
+    (``DeviceShard.wait_gathered``; distributed/zero_gather.py), so it overlaps the next forward."""
     shard = bucket.device_shard
     if shard.flow:   # no device weights to update: the next fetch uploads the new shard and gathers the window
         shard.refresh_window(bucket)
         return
-    shard.upload_shard(bucket)
+    shard.upload_shard(bucket)   # waits for the previous all-gather first: it read the shard buffer
     with guard(f"all-gather of bucket {bucket.index} (device)", sharding.group):
-        dist.all_gather_into_tensor(bucket.weights, shard.shard_buffer, group=sharding.group)
+        work = dist.all_gather_into_tensor(bucket.weights, shard.shard_buffer, group=sharding.group, async_op=True)
+    shard.gather = PendingGather(work, bucket.index, sharding.group)
     nbytes = bucket.weights.numel() * bucket.weights.element_size()
     sharding.stats.all_gather_bytes += nbytes
     sharding.stats.sent_bytes += sharding._ring(nbytes)

@@ -639,6 +639,9 @@ class AdamW(torch.optim.Optimizer):
             self.wait_uploads()
 
     def __del__(self):
+        if getattr(self, "_sharding", None) is not None:   # device-side ZeRO: the model keeps no weights that are
+            with contextlib.suppress(Exception):          # still being all-gathered (distributed/zero_gather.py)
+                self.wait_uploads()
         if getattr(self, "_model_state", None) is not None:
             self._model_state.remove()
         if getattr(self, "_worker", None) is not None:

@@ -176,8 +176,8 @@ class FlatBucket(HostMasterCopies):
             f"socompile: bucket {self.index} is sharded on the device (ZeRO with a separate host master: this rank "
             f"holds its 1/{self.device_shard.world} of the fp32 master and gradients only), so a parameter's whole "
             f"master cannot be read or written here. Read the weights (the parameters, gathered on the device), and "
-            f"save / load sharded state with socompile.distributed.save / load of a run without this path (a CPU "
-            f"runtime), see docs/distributed.md.")
+            f"save / load the sharded state with socompile.distributed.save / load (each rank writes its piece of "
+            f"the master), see docs/distributed.md.")
 
     def segment(self, i: int) -> slice:
         return slice(self.offsets[i], self.offsets[i] + self.sizes[i])

@@ -238,12 +238,14 @@ class HostMasterCopies:
 
     def wait_upload_on_compute(self) -> bool:
         """The compute stream waits (no host block) for this bucket's upload before it reads the weights; once
-        per upload. True when a wait was queued now."""
+        per upload. Device-side ZeRO: for the weights' all-gather (distributed/zero_gather.py). True when a wait
+        was queued (or done) now."""
+        gathered = self.device_shard is not None and self.device_shard.wait_gathered()
         if self.upload_event is not None and not self._upload_waited:
             self.runtime.wait_on_compute(self.upload_event)
             self._upload_waited = True
             return True
-        return False
+        return gathered
 
     def free_weights(self) -> None:
         """A flow bucket's device weights hold no bytes between uses (the storage is resized to 0; the views'

@@ -132,6 +132,8 @@ class DeviceShard:
         self.grads = None
         self.work = None                 # the reduce-scatter in flight (gloo), waited and landed once (wait_reduced)
         self.landing = None              # the bucket whose reduced shard that reduce-scatter lands into
+        self.gather = None               # the weights' all-gather in flight (distributed/zero_gather.py), waited
+        #                                  once, by the first reader of the weights (wait_gathered)
         self._work_lock = threading.Lock()
         self.shard_buffer = None if self.flow else self.runtime.empty(self.chunk, self.dtype).zero_()
         self.reduced = None              # the reduce-scatter's output (shard_buffer; flow: a chunk of grads)
@@ -149,6 +151,7 @@ class DeviceShard:
         return 0 if self.flow else self.element_size * (self.chunk + self.padded - self.numel)
 
     def close(self) -> None:
+        self.wait_gathered()
         self.release_grads()
         self.pool.ledger.free(SHARDS, id(self))
 
@@ -196,10 +199,20 @@ class DeviceShard:
         bucket.traffic.add_copy("d2h", GRADIENT_LINK, reduced)   # opt.traffic(): plan/transfers.py counts it
 
     # ------------------------------------------------------------------- weights
+    def wait_gathered(self) -> bool:
+        """Wait for the weights' all-gather in flight, if any (NCCL: the current stream waits; gloo: this thread
+        blocks until done); True when there was one. Training thread only."""
+        pending, self.gather = self.gather, None
+        if pending is None:
+            return False
+        pending.wait()
+        return True
+
     def upload_shard(self, bucket) -> None:
         """The master shard, cast to the weights' dtype on the host (bf16: the pinned stage), into the shard
         buffer on the "h2d" stream; the compute stream waits for it (the all-gather or the window copy reads it)."""
-        bucket.master_changed()           # the step wrote the master: the stage is cast again
+        self.wait_gathered()              # the previous all-gather read the shard buffer and writes the weights
+        bucket.master_changed()           # the step wrote the master: the stage is cast again (host_source)
         bucket.wait_grads()               # the gradient shard's D2H copy read the shard buffer
         rt = self.runtime
         event = rt.copy_async(self.shard_buffer, self.host_source(bucket, self.dtype), rt.stream("h2d"))
