@@ -149,6 +149,11 @@ def _main(argv: list[str]) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     result = _load(target)(args)
     pathlib.Path(out).write_text(json.dumps(result))
+    # Tear the process group down before the interpreter does: left to exit-time destruction, gloo's threads
+    # can outlive what they use once a peer has gone, and the rank aborts ("terminate called without an
+    # active exception", exit -6) after its result was written.
+    from .mesh import shutdown
+    shutdown()
     return 0
 
 
