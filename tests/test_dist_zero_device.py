@@ -505,11 +505,10 @@ FLOW_CASES = {
     "dp3-bf16-flow-d0": (3, "bfloat16", "flow", 0, 1),
     "dp2-fp32-flow-d1-accumulate2": (2, "float32", "flow", 1, 2),   # fetched per micro-batch, reduced per step
 }
-DEFAULT_FLOW_CASE = "dp2-bf16-mixed-d1"   # the others (~40 s each on 2 cores) are a slow sweep
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == DEFAULT_FLOW_CASE else pytest.mark.slow)
-                                  for c in FLOW_CASES])
+# Every case in the default suite (~40 s of CPU each; issue 16: dp 2 and 3, fp32 and bf16, accumulation).
+@pytest.mark.parametrize("case", list(FLOW_CASES))
 def test_device_zero_flow_buckets_hold_1_over_w_and_equal_the_reference(case):
     world, dtype, mode, distance, accumulate = FLOW_CASES[case]
     results = _results({"dtype": dtype, "compile": True, "flow": mode, "distance": distance,

@@ -228,7 +228,7 @@ def _save_worker(args: dict) -> dict:
     run = {"saved": saved, "final": _master_pieces(opt), "weights": _weights(model, opt), "norms": norms}
     device_sharded = all(b.device_shard is not None for b in opt.buckets)
     del model, opt
-    resumed = _resume(args["dir"], topo)   # new model and optimizer in the same processes (a new process: slow test)
+    resumed = _resume(args["dir"], topo)   # new model and optimizer in the same processes (new processes: test_..._on_restarted_ranks)
     torch.save({**run, "resumed": resumed, "from_host_path": _load_a_host_path_checkpoint(args["dir"] + "-host", topo)},
                f"{args['out']}.{topo.rank}")
     sd.shutdown()
@@ -309,7 +309,6 @@ def _check_resumed_bitwise(resumed: dict, run: dict) -> None:
 
 
 
-@pytest.mark.slow
 def test_device_sharded_checkpoint_resumes_bitwise_on_restarted_ranks(device_saved, tmp_path):
     args, runs = device_saved
     out = str(tmp_path / "resumed")
@@ -359,7 +358,6 @@ def test_device_sharded_checkpoint_resumes_bitwise_loads_into_one_process_and_re
 BF16_NORM_RTOL = 2e-2
 
 
-@pytest.mark.slow
 def test_device_sharded_checkpoint_saved_by_2_ranks_resumes_on_3(device_saved, tmp_path):
     args, runs = device_saved
     out = str(tmp_path / "resumed3")
