@@ -19,3 +19,21 @@ def dtype_bytes(name: str) -> int:
 def dtype_name(nbytes: int) -> str:
     """The name a plan records for an element size: 2 bytes -> 'bfloat16', else 'float32'."""
     return "bfloat16" if nbytes == 2 else "float32"
+
+
+def gradient_link_name(weights: str) -> str:
+    """The dtype in which the gradients of ``weights`` (a name above) cross the link and land in host memory by
+    default: bf16 weights' as bf16 (the CPU kernel reads bf16 gradients directly, half the bytes); any other
+    weights' as float32. The kernel (socompile_ext) reads fp32 or bf16 gradients, not fp16: fp16 gradients
+    (loss-scaled) are cast to fp32 on the device before the copy, which is exact, where bf16 would drop three of
+    their mantissa bits and a host-side cast would need a pass over them (4 B/param cross instead of 2)."""
+    return "bfloat16" if weights == "bfloat16" else "float32"
+
+
+def weights_name(dtypes) -> str:
+    """The name a plan uses for weights of torch ``dtypes`` ("torch.float16", ... or names): float16 when all
+    are fp16, else the name of their common size (2 bytes: bfloat16)."""
+    names = [str(d).removeprefix("torch.") for d in dtypes]
+    if names and all(n == "float16" for n in names):
+        return "float16"
+    return dtype_name(2 if names and all(n in HALF for n in names) else 4)

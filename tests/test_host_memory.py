@@ -58,11 +58,19 @@ EMULATED = {
     "stationary bf16, device cast": dict(weight_mode="stationary", cast_site="device"),
     "stationary bf16, host cast": dict(weight_mode="stationary", cast_site="cpu"),
     "flow bf16": dict(weight_mode="flow", prefetch_distance=1, cast_site="cpu"),
+    # fp16 weights: gradients cross and land as fp32 (cast on the device: the CPU kernel reads fp32 or bf16, not
+    # fp16), weights go up from a pinned fp16 copy cast on the host, or as the fp32 master cast on the device
+    "stationary fp16, host cast": dict(weight_mode="stationary", cast_site="cpu"),
+    "stationary fp16, device cast": dict(weight_mode="stationary", cast_site="device"),
+    "flow fp16": dict(weight_mode="flow", prefetch_distance=1, cast_site="cpu"),
 }
 DTYPE = {"activation offload bf16": torch.bfloat16, "stationary bf16, device cast": torch.bfloat16,
-         "stationary bf16, host cast": torch.bfloat16, "flow bf16": torch.bfloat16}
+         "stationary bf16, host cast": torch.bfloat16, "flow bf16": torch.bfloat16,
+         "stationary fp16, host cast": torch.float16, "stationary fp16, device cast": torch.float16,
+         "flow fp16": torch.float16}
 ACCUMULATE = {"accumulation": 2}
-SLOW = {"flow fp32", "GPU buckets", "activation offload", "accumulation", "stationary bf16, host cast", "flow bf16"}
+SLOW = {"flow fp32", "GPU buckets", "activation offload", "accumulation", "stationary bf16, host cast", "flow bf16",
+        "stationary fp16, device cast"}
 
 
 def _cases(names):

@@ -110,6 +110,28 @@ def test_with_clipping_the_planner_optimises_the_clipped_step():
     assert redo < simulate(unclipped.plan, unclipped.costs, unclipped.cost, speculation="redo").step_time
 
 
+def test_without_speculation_the_planner_optimises_the_step_that_validates_first():
+    """options.speculate=False: no CPU step starts before validation, so the planner's GPU bucket count is the
+    best for that step (simulated with speculation "off"), not for the speculated one, and the plan says so."""
+    from socompile.perf.simulate import simulate
+    from socompile.plan.planner import plan_with_details
+    ir = traced()
+    # as above: a device fast enough that CPU steps waiting for the end of backward are exposed
+    hw = profile(device_bf16_flops=2e12, device_bandwidth=4e11)
+    speculated = plan_with_details(ir, hw, options(bucket_size="256KB"))
+    waiting = plan_with_details(ir, hw, options(bucket_size="256KB", speculate=False))
+    off = simulate(waiting.plan, waiting.costs, waiting.cost, speculation="off").step_time
+    assert waiting.plan.prediction("step_time_s") == round(off, 6)
+    assert any(d.startswith("objective: the step without speculation") for d in waiting.plan.decisions)
+    n = len(waiting.plan.buckets)
+    times = [plan(ir, hw, options(bucket_size="256KB", speculate=False, gpu_buckets=k)).prediction("step_time_s")
+             for k in range(n + 1)]
+    assert waiting.plan.prediction("step_time_s") == min(times)
+    # the objective changed the decision, and the step that runs is faster than with the speculated plan's count
+    assert waiting.plan.prediction("gpu_buckets") != speculated.plan.prediction("gpu_buckets")
+    assert off < simulate(speculated.plan, speculated.costs, speculated.cost, speculation="off").step_time
+
+
 def test_automatic_gpu_bucket_count_is_at_least_as_fast_as_every_hand_set_count():
     ir = traced()
     hw = profile(device_bf16_flops=2e11, device_bandwidth=4e10)

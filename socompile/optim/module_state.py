@@ -53,6 +53,16 @@ def _holds_nothing(bucket: FlatBucket) -> bool:
     return bucket.flow and not bucket.weights.untyped_storage().nbytes()
 
 
+def _sharded_flow_buckets(own) -> list[FlatBucket]:
+    """The device-sharded flow buckets that hold none of their weights now, among ``own`` (``_own``'s entries),
+    each once, in the order of their first parameter there (the same on every rank)."""
+    out: list[FlatBucket] = []
+    for _, _, bucket, _ in own:
+        if bucket.device_shard is not None and _holds_nothing(bucket) and all(b is not bucket for b in out):
+            out.append(bucket)
+    return out
+
+
 class ModelStateHooks:
     """The hooks one optimizer registered on the modules owning its parameters. The optimizer holds this object
     (and calls ``remove`` when it goes); this holds the optimizer weakly, so no reference cycle keeps it alive."""
@@ -90,8 +100,20 @@ class ModelStateHooks:
     def state_dict_post(self, module, state_dict, prefix, local_metadata) -> None:
         """State dict post-hook: a flow parameter's entry (its storage holds 0 bytes between uses) becomes a
         fresh tensor of its committed value, the master cast to its dtype on its device (as the next fetch
-        would give it); stationary weights are the device buffer itself, once its upload is waited for."""
-        for key, p, bucket, i in self._own(module, prefix, state_dict):
+        would give it); stationary weights are the device buffer itself, once its upload is waited for.
+        A device-sharded flow bucket (device-side ZeRO: this rank holds 1/W of the master) is all-gathered as
+        a fetch would (``materialized``), so every rank gets the full weights, as FSDP's full state dict does:
+        a collective, so every rank of the group calls ``model.state_dict()``, in the same order."""
+        own = self._own(module, prefix, state_dict)
+        gathered = _sharded_flow_buckets(own)
+        for bucket in gathered:
+            with bucket.materialized():
+                for key, p, of, i in own:
+                    if of is bucket:
+                        state_dict[key] = p.detach().clone()
+        for key, p, bucket, i in own:
+            if any(bucket is b for b in gathered):
+                continue
             if _holds_nothing(bucket):
                 state_dict[key] = bucket.view(bucket.master, i).to(device=p.device, dtype=p.dtype, copy=True)
             else:

@@ -17,7 +17,7 @@ landing buffer (runtime/host_master.py), so perf/analysis.py does not count them
 (planner._min_device) therefore scales with the largest bucket, and bucket_size with it.
 Host (host_buffers; the runtime's HostLedger books the same buffers, runtime/memory.py), per CPU bucket of n
 padded elements: fp32 master (4n), Adam moments (8n), ping-pong spares for exact rollback (12n), the gradient
-landing buffer (n x link dtype), a bf16 staging copy (2n) that uploads and fetches of bf16 weights read, and on
+landing buffer (n x link dtype), a staging copy (2n) that uploads and fetches of bf16 or fp16 weights read, and on
 CUDA with gradient accumulation an fp32 stage (4n); plus offloaded activations. Pinned: what copies to or from
 the device read or write (landing, staging, accumulation stage, activations, and the master of non-bf16 weights,
 which their uploads and fetches read); moments and spares never cross the link and are pageable.
@@ -28,7 +28,7 @@ import dataclasses
 
 import sympy
 
-from ..dtypes import dtype_bytes
+from ..dtypes import dtype_bytes, dtype_name, gradient_link_name
 from ..ledger_names import (ACCUMULATION, ACTIVATIONS, HOST_PURPOSES, LANDING, MASTER, MOMENTS, SPARES,
                             STAGING)
 from .bucketize import ALIGN
@@ -106,23 +106,25 @@ class HostLayout:
 
 
 def bucket_host_buffers(b: BucketPlan, numel: int, weight_bytes: int, world: int = 1,
-                        layout: HostLayout = HostLayout()) -> list[tuple[str, int, bool]]:
+                        layout: HostLayout = HostLayout(), weight_dtype: str = "") -> list[tuple[str, int, bool]]:
     """(purpose, bytes, pinned) of each host buffer the runtime allocates for CPU bucket ``b`` of ``numel``
     elements (padded as runtime/flat_bucket.py lays it out); none for a device-stepped bucket (its state is
     device memory). ZeRO over ``world`` ranks: master, moments, spares and the gradient landing buffer cover the
     rank's 1/world shard; with pinned buffers (a CUDA runtime: device-side ZeRO, stationary and flow buckets) the
-    gradients land in the weights' dtype and the bf16 staging copy is the shard's too; else (the host path) the
-    bf16 staging copy is whole."""
+    gradients land as ``gradient_link_name`` of the weights' dtype (``weight_dtype``, default: named by
+    ``weight_bytes``) and the staging copy is the shard's too; else (the host path) the staging copy is whole.
+    2-byte weights (bf16 or fp16) go up from a pinned staging copy in their dtype, cast on the host."""
     if b.optimizer_site != "cpu":
         return []
     shard = -(-numel // max(1, world))
     separate = not layout.shared_master
     pins = layout.pins and separate
-    bf16 = weight_bytes == 2
+    bf16 = weight_bytes == 2   # bf16 or fp16: uploads and fetches read a 2-byte stage cast on the host
     flow = separate and b.weight_mode == "flow"
     # device-side ZeRO (runtime/sharded_bucket.py: separate master, CUDA, stationary or flow): the shard goes up
     # cast on the host from a bf16 stage of the shard; gradients accumulate and are reduced on the device, in the
-    # weights' dtype, and land as they crossed: bf16 as bf16, else fp32 (sharded_bucket.landing_dtype)
+    # weights' dtype, and land as bf16 for bf16 weights, else as fp32 (fp16: cast on the device after the reduction;
+    # sharded_bucket.landing_dtype, dtypes.gradient_link_name)
     zero_device = pins and world > 1
     # the plan's device cast (stationary bf16 weights, cast_site "device"): the fp32 master itself is uploaded
     device_cast = separate and bf16 and b.weight_mode == "stationary" and b.cast_site == "device" and not zero_device
@@ -132,7 +134,7 @@ def bucket_host_buffers(b: BucketPlan, numel: int, weight_bytes: int, world: int
         out += [(SPARES, 4 * shard, master_crosses and world <= 1), (SPARES, 8 * shard, False)]
     landing = 4 if layout.shared_master else dtype_bytes(b.link_dtype)   # shared: the parameters' fp32 .grad
     if zero_device:
-        landing = 2 if bf16 else 4
+        landing = dtype_bytes(gradient_link_name(weight_dtype or dtype_name(weight_bytes)))
     out.append((LANDING, shard * landing, pins))
     if pins and layout.accumulation and not zero_device:   # later micro-batches land in a stage, then are added
         out.append((ACCUMULATION, landing * numel, True))
@@ -144,7 +146,7 @@ def bucket_host_buffers(b: BucketPlan, numel: int, weight_bytes: int, world: int
 
 
 def host_buffers(buckets: list[BucketPlan], weight_bytes: int, world: int = 1, offloaded_activations: int = 0,
-                 numels: dict[int, int] | None = None, layout: HostLayout = HostLayout()
+                 numels: dict[int, int] | None = None, layout: HostLayout = HostLayout(), weight_dtype: str = ""
                  ) -> dict[str, dict[str, int]]:
     """Host bytes of one rank by purpose, {purpose: {"pinned": bytes, "pageable": bytes}}, as the runtime's
     HostLedger books them (runtime/memory.py; purposes with no bytes left out). ``numels``: padded elements by
@@ -157,17 +159,17 @@ def host_buffers(buckets: list[BucketPlan], weight_bytes: int, world: int = 1, o
             out.setdefault(purpose, {"pinned": 0, "pageable": 0})["pinned" if pinned else "pageable"] += nbytes
     for b in buckets:
         numel = b.numel if numels is None else numels[b.index]
-        for purpose, nbytes, pinned in bucket_host_buffers(b, numel, weight_bytes, world, layout):
+        for purpose, nbytes, pinned in bucket_host_buffers(b, numel, weight_bytes, world, layout, weight_dtype):
             add(purpose, nbytes, pinned)
     add(ACTIVATIONS, int(offloaded_activations), layout.pins)
     return {k: out[k] for k in HOST_PURPOSES if k in out}
 
 
 def host_memory(buckets: list[BucketPlan], weight_bytes: int, world: int = 1, offloaded_activations: int = 0,
-                numels: dict[int, int] | None = None, layout: HostLayout = HostLayout()
+                numels: dict[int, int] | None = None, layout: HostLayout = HostLayout(), weight_dtype: str = ""
                 ) -> tuple[int, int, tuple[tuple[str, int], ...]]:
     """(total, pinned, parts) bytes of host memory of one rank: ``host_buffers`` summed; parts by purpose."""
-    books = host_buffers(buckets, weight_bytes, world, offloaded_activations, numels, layout)
+    books = host_buffers(buckets, weight_bytes, world, offloaded_activations, numels, layout, weight_dtype)
     parts = tuple((k, v["pinned"] + v["pageable"]) for k, v in books.items())
     return sum(v for _, v in parts), sum(v["pinned"] for v in books.values()), parts
 
@@ -183,7 +185,7 @@ def runtime_host_bytes(plan, ir, layout: HostLayout = HostLayout(), world: int =
     opt.host_memory()["by_purpose"]), padded as it lays buckets out."""
     return host_buffers(list(plan.buckets), plan.prediction("param_dtype_bytes", 4), world,
                         int(plan.prediction("activations_offloaded_bytes", 0)), padded_numels(plan.buckets, ir),
-                        layout)
+                        layout, weight_dtype(plan))
 
 
 def flow_buffer_peak(buckets, ir, align: int | None = None, spans_cache: dict | None = None) -> int:
@@ -203,6 +205,12 @@ def padded_numel(numels, align: int) -> int:
     """Elements of a flat bucket laid out as runtime/flat_bucket.py does: each segment starts at a multiple
     of ``align`` elements."""
     return sum((n + align - 1) // align * align for n in numels)
+
+
+def weight_dtype(plan) -> str:
+    """The name of ``plan``'s weights' dtype: recorded as "param_dtype" where their size does not say it (fp16),
+    else named by ``param_dtype_bytes`` (2: bfloat16, 4: float32)."""
+    return plan.prediction("param_dtype") or dtype_name(plan.prediction("param_dtype_bytes", 4))
 
 
 def plan_world(plan) -> int:

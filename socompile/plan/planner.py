@@ -25,7 +25,7 @@ import dataclasses
 import gc
 
 from ..capture.ir import IR
-from ..dtypes import HALF, dtype_name
+from ..dtypes import dtype_name, gradient_link_name, weights_name
 from ..hardware.profiles import HardwareProfile
 from ..options import Options
 from ..perf.analysis import GraphCosts, analyze, layer_group
@@ -107,20 +107,24 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
     costs = analyze(ir, cost, token_shard=sp)
     order = [name for name in ir.grad_order() if ir.params[name].optimized]
     optimized = [ir.params[n] for n in order]
-    weight_bytes = 2 if optimized and all(p.dtype.removeprefix("torch.") in HALF for p in optimized) else 4
+    weight_dtype = weights_name(p.dtype for p in optimized)
+    weight_bytes = 2 if weight_dtype != "float32" else 4
     unoptimized = tuple(n for n in ir.grad_order() if not ir.params[n].optimized)
     in_buckets = set(order)
     unopt_numel = sum(p.numel for p in ir.params.values() if p.name not in in_buckets)
     budget = float(options.device_memory_budget if options.device_memory_budget is not None
                    else hw.device_memory - hw.device_reserved)
     template = _Context(ir, hw, options, cost, costs, weight_bytes, budget, unopt_numel, costs.activation_peak,
-                        costs.activation_peak_expr, world=world, dp=dp, sp=sp)
+                        costs.activation_peak_expr, world=world, dp=dp, sp=sp, weight_dtype=weight_dtype)
     template.pinned_choices = tuple(activations) if activations is not None else None
     decisions: list[str] = []
     if world > 1:
         decisions.append(_parallel_line(template))
     ctx, base, recompute = _fitting_buckets(template, order, decisions)
-    if options.clipping:
+    if not options.speculate:
+        decisions.append("objective: the step without speculation (options.speculate=False): every CPU step waits "
+                         "for validation after backward")
+    elif options.clipping:
         decisions.append("objective: the clipped step (options.clipping, the optimizer's max_grad_norm): every CPU "
                          "step speculated during backward is redone after validation")
     best = _choose_gpu_buckets(ctx, base, recompute, decisions)
@@ -142,6 +146,7 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
     predicted = (
         ("shapes", tuple(sorted((names.get(k, k), v) for k, v in cost.symbol_values.items()))),
         ("param_dtype_bytes", weight_bytes),
+        *_weight_dtype_prediction(ctx),
         *_parallel_predictions(ctx),
         ("device_budget_bytes", int(budget)),
         ("device_peak_bytes", int(memory.device_peak)),
@@ -189,7 +194,11 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
 def _speculation(options: Options) -> str:
     """The step the planner simulates and optimises (perf/simulate.py ``speculation``) is the one that will run:
     with clipping, validation clips every step, so each CPU bucket step speculated during backward is taken
-    again after it ("redo", the clipped step's worst case); else the speculated steps are committed ("on")."""
+    again after it ("redo", the clipped step's worst case); else the speculated steps are committed ("on").
+    Without speculation (``options.speculate`` False) no CPU step starts before validation ("off"), clipped or
+    not: nothing is speculated, so nothing is redone."""
+    if not options.speculate:
+        return "off"
     return "redo" if options.clipping else "on"
 
 
@@ -226,8 +235,15 @@ def _parallel_predictions(ctx: _Context) -> tuple:
     return (("dp_degree", ctx.dp), ("sp_degree", ctx.sp), ("world_size", ctx.world))
 
 
+def _weight_dtype_prediction(ctx: _Context) -> tuple:
+    """("param_dtype", "float16") for fp16 weights, whose size alone (2 bytes) would name bf16 (plan/memory.py
+    ``weight_dtype``); nothing for the others, whose name the size gives."""
+    return (("param_dtype", ctx.weight_dtype),) if ctx.weight_dtype != dtype_name(ctx.weight_bytes) else ()
+
+
 def _plan_of(ctx: _Context, buckets, recompute, predicted, decisions=(), unoptimized=()) -> Plan:
-    predicted = predicted or (("param_dtype_bytes", ctx.weight_bytes), *_parallel_predictions(ctx))
+    predicted = predicted or (("param_dtype_bytes", ctx.weight_bytes), *_weight_dtype_prediction(ctx),
+                              *_parallel_predictions(ctx))
     return Plan(target=ctx.hw.name, bucket_size=ctx.options.bucket_size, buckets=tuple(buckets),
                 unoptimized_params=tuple(unoptimized), predicted=tuple(predicted), recompute=recompute,
                 decisions=tuple(decisions), activations=tuple(ctx.choices))
@@ -258,7 +274,7 @@ def _fitting_buckets(template: _Context, order: list[str], decisions: list[str])
 def _base_buckets(ir: IR, order: list[str], bucket_size: int, ctx: _Context, decisions: list[str]):
     groups = bucketize([(n, ir.params[n].numel) for n in order], bucket_size)
     hw, wb = ctx.hw, ctx.weight_bytes
-    grad_dtype = dtype_name(wb)
+    grad_dtype = gradient_link_name(ctx.weight_dtype)
     if wb == 4:
         cast_site, param_dtype = "device", "float32"
         reason = "weights train in float32: no cast; gradients and weights cross as float32"
@@ -268,11 +284,12 @@ def _base_buckets(ir: IR, order: list[str], bucket_size: int, ctx: _Context, dec
         if t_device <= t_cpu:
             cast_site, param_dtype = "device", "float32"
         else:
-            cast_site, param_dtype = "cpu", "bfloat16"
+            cast_site, param_dtype = "cpu", ctx.weight_dtype
         reason = (f"fp32 over the link {t_device * 1e12:.1f} ps/param vs bf16 + CPU cast "
                   f"{t_cpu * 1e12:.1f} ps/param (link {hw.h2d_bandwidth / 1e9:.0f} GB/s, CPU Adam "
                   f"{hw.adam_bandwidth / 1e9:.0f} GB/s): cast on the {'GPU' if cast_site == 'device' else 'CPU'}; "
-                  f"gradients cross as bf16, read directly by the CPU kernel")
+                  + ("gradients cross as bf16, read directly by the CPU kernel" if grad_dtype == "bfloat16" else
+                     "fp16 gradients cross as fp32, cast on the GPU (exact; the CPU kernel reads fp32 or bf16)"))
     decisions.append(f"casts: {reason}")
     buckets = []
     position = {key: i for i, key in enumerate(ir.bw_order)}
@@ -370,11 +387,13 @@ def _with_k(ctx: _Context, base, k: int, order_cache: dict):
 
 
 def _apply_flow(ctx: _Context, buckets, flow: set[int], dist: dict[int, int], distance: int = 1):
-    name = dtype_name(ctx.weight_bytes)
+    name = ctx.weight_dtype
     return [dataclasses.replace(b, weight_mode="flow", prefetch_distance=dist.get(b.index, distance), cast_site="cpu",
                                 param_link_dtype=name,
                                 cast_reason="weights flow from host memory as bf16: the CPU kernel writes the "
-                                            "bf16 copy in the same pass" if ctx.weight_bytes == 2 else
+                                            "bf16 copy in the same pass" if name == "bfloat16" else
+                                            "weights flow from host memory as fp16, cast on the host" if
+                                            ctx.weight_bytes == 2 else
                                             "weights flow from host memory in float32: no cast")
             if b.index in flow else b for b in buckets]
 
@@ -468,7 +487,8 @@ def _apply_pins(ctx: _Context, buckets, decisions: list[str]):
                for b in out]
         decisions.append(f"prefetch distance pinned to {opts.prefetch_distance} by options.prefetch_distance")
     if opts.cast_site is not None:
-        link = "bfloat16" if opts.cast_site == "cpu" else "float32"
+        link = ctx.weight_dtype if opts.cast_site == "cpu" and ctx.weight_bytes == 2 else \
+            "bfloat16" if opts.cast_site == "cpu" else "float32"
         out = [dataclasses.replace(b, cast_site=opts.cast_site, param_link_dtype=link,
                                    cast_reason=f"pinned by options.cast_site={opts.cast_site!r}")
                if b.optimizer_site == "cpu" else b for b in out]
@@ -482,7 +502,7 @@ def _apply_pins(ctx: _Context, buckets, decisions: list[str]):
 
 def _host(ctx: _Context, buckets):
     return host_memory(buckets, ctx.weight_bytes, ctx.world, int(ctx.offloaded_bytes),
-                       padded_numels(buckets, ctx.ir), host_layout(ctx.options, ctx.weight_bytes))
+                       padded_numels(buckets, ctx.ir), host_layout(ctx.options, ctx.weight_bytes), ctx.weight_dtype)
 
 
 def host_layout(options: Options, weight_bytes: int) -> HostLayout:

@@ -41,6 +41,7 @@ class _Context:
     pinned_choices: tuple | None = None   # per-layer choices given by the caller (plan(..., activations=...))
     offloaded_bytes: float = 0.0   # host bytes of offloaded layers' saved tensors (pinned)
     flow_spans: dict = dataclasses.field(default_factory=dict)   # flow_schedule's per-bucket spans, by params
+    weight_dtype: str = "float32"  # the optimized weights' dtype name (dtypes.weights_name): fp16 or bf16 if 2 B
 
 
 def _device(ctx: _Context, buckets) -> MemoryEstimate:

@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..dtypes import dtype_name
+from ..dtypes import dtype_name, gradient_link_name
 from ..ledger_names import ACTIVATION_FETCH, ACTIVATION_OFFLOAD, FLOW_FETCH, GRADIENTS, WEIGHT_UPLOAD
 from ..options import OFFLOADED_CHOICES
 from .bucketize import ALIGN
-from .memory import device_cast_buckets, padded_numel, plan_world
+from .memory import device_cast_buckets, padded_numel, plan_world, weight_dtype
 
 
 
@@ -54,6 +54,7 @@ def bucket_transfers(plan, param_numels: dict[str, int] | None = None, align: in
     as none. ``weight_bytes``: of the parameters (default: the plan's ``param_dtype_bytes``, else 4). ``world``:
     ZeRO ranks (default: the plan's dp x sp degrees)."""
     weight_bytes = weight_bytes or plan.prediction("param_dtype_bytes", 4)
+    weights = weight_dtype(plan) if _bytes(weight_dtype(plan)) == weight_bytes else dtype_name(weight_bytes)
     world = world or plan_world(plan)
     device_cast = {b.index for b in device_cast_buckets(plan, weight_bytes)}
     out: list[Transfer] = []
@@ -62,7 +63,7 @@ def bucket_transfers(plan, param_numels: dict[str, int] | None = None, align: in
             continue
         laid_out = padded_numel([param_numels[p] for p in b.params], align) if param_numels else b.numel
         if world > 1:
-            out += _zero_transfers(b, laid_out, weight_bytes, world)
+            out += _zero_transfers(b, laid_out, weights, world)
             continue
         grad = dtype_name(4) if b.link_dtype not in ("bfloat16", "float16") else b.link_dtype
         out.append(Transfer(b.index, "d2h", grad, GRADIENTS, b.numel * _bytes(grad), "micro-batch"))
@@ -70,20 +71,20 @@ def bucket_transfers(plan, param_numels: dict[str, int] | None = None, align: in
             out.append(Transfer(b.index, "h2d", b.param_link_dtype, FLOW_FETCH,
                                 laid_out * _bytes(b.param_link_dtype), "use"))
             continue
-        upload = "float32" if weight_bytes == 4 or b.index in device_cast else dtype_name(weight_bytes)
+        upload = "float32" if weight_bytes == 4 or b.index in device_cast else weights   # bf16/fp16: host cast
         out.append(Transfer(b.index, "h2d", upload, WEIGHT_UPLOAD, laid_out * _bytes(upload), "step"))
     return out
 
 
-def _zero_transfers(b, laid_out: int, weight_bytes: int, world: int) -> list[Transfer]:
-    """One rank's transfers of a CPU-stepped bucket under ZeRO (see the module doc)."""
+def _zero_transfers(b, laid_out: int, weights: str, world: int) -> list[Transfer]:
+    """One rank's transfers of a CPU-stepped bucket under ZeRO (see the module doc): ``weights``, their dtype."""
     shard = -(-laid_out // world)
-    weights = dtype_name(weight_bytes)
-    gradients = Transfer(b.index, "d2h", weights, GRADIENTS, shard * weight_bytes, "step")
+    grads = gradient_link_name(weights)   # fp16: cast to fp32 on the device after the reduction
+    gradients = Transfer(b.index, "d2h", grads, GRADIENTS, shard * _bytes(grads), "step")
     if b.weight_mode == "flow":
         return [gradients, Transfer(b.index, "h2d", b.param_link_dtype, FLOW_FETCH,
                                     shard * _bytes(b.param_link_dtype), "use")]
-    return [gradients, Transfer(b.index, "h2d", weights, WEIGHT_UPLOAD, shard * weight_bytes, "step")]
+    return [gradients, Transfer(b.index, "h2d", weights, WEIGHT_UPLOAD, shard * _bytes(weights), "step")]
 
 
 def activation_transfers(plan, layers) -> list[Transfer]:
@@ -107,7 +108,7 @@ def offloaded_by_dtype(lc, choice: str, plan) -> tuple[tuple[str, float], ...]:
     """(dtype, bytes) an offloaded layer moves each way; a LayerCosts without the split (made by hand) is taken
     as all in the parameters' dtype."""
     split = lc.saved_by_dtype if choice == "offload" else lc.selective_by_dtype
-    return split or ((dtype_name(plan.prediction("param_dtype_bytes", 4)), offloaded_bytes(lc, choice)),)
+    return split or ((weight_dtype(plan), offloaded_bytes(lc, choice)),)
 
 
 def offloaded_bytes(lc, choice: str) -> float:

@@ -38,7 +38,7 @@ from torch import nn
 
 from ..dtypes import TORCH_DTYPES
 from ..plan.bucketize import ALIGN   # one layout fact for planner and runtime
-from .host_master import HostMasterCopies, flat_real
+from .host_master import HALF_WEIGHTS, HostMasterCopies, flat_real
 from .memory import LANDING, MASTER, MOMENTS, SPARES
 from .traffic import TrafficLedger
 from .sharded_bucket import device_shard_eligible, landing_dtype, narrow_to_device_shard, shard_window  # noqa: F401
@@ -287,7 +287,7 @@ class FlatBucket(HostMasterCopies):
         for i, p in enumerate(self.params):
             p.data = self.view(self.master if self.weights is None else self.weights, i)
         self.free_weights()
-        if self.flow and self.dtype == torch.bfloat16:
+        if self.flow and self.dtype in HALF_WEIGHTS:
             self._sync_stage16()
         if self._shard_after_adopt is not None:
             shard, self._shard_after_adopt = self._shard_after_adopt, None

@@ -57,6 +57,9 @@ class UploadStaging:
         self._last_use[slot] = event
 
 
+HALF_WEIGHTS = (torch.bfloat16, torch.float16)   # weights cast from the fp32 master into a pinned 2-byte stage
+
+
 def flat_real(t: torch.Tensor) -> torch.Tensor:
     """``t`` flattened as a bucket stores it: a complex tensor as its interleaved (real, imaginary) elements
     (``torch.view_as_real``; torch.optim.AdamW steps complex parameters as these real views)."""
@@ -113,7 +116,7 @@ class HostMasterCopies:
         that CUDA makes synchronous: correct, at the pageable rate. A shared master never crosses. A stationary
         bucket whose plan casts on the device (``cast_site == "device"``) uploads its fp32 master itself."""
         device_cast = self.cast_site == "device" and not self.flow and self.site == "cpu"
-        return self.mirror and (self.dtype != torch.bfloat16 or device_cast)
+        return self.mirror and (self.dtype not in HALF_WEIGHTS or device_cast)
 
     def _cuda_host(self) -> bool:
         """Host buffers that the runtime's copy streams read or write asynchronously (pinned)."""
@@ -146,7 +149,7 @@ class HostMasterCopies:
         """What a flow fetch in ``dtype`` reads: the bf16 stage when it holds the master cast to bf16 (half the
         bytes cross the link; the cast was done on the host, by the step's kernel or at upload), else the master
         (the copy converts)."""
-        if self._stage16 is not None and self._low_synced and dtype == torch.bfloat16:
+        if self._stage16 is not None and self._low_synced and dtype == self._stage16.dtype:
             return self._stage16
         return self.master
 
@@ -157,8 +160,8 @@ class HostMasterCopies:
     def _sync_stage16(self) -> None:
         if self._stage16 is None:
             pinned = self._cuda_host()
-            self._stage16 = self.book_host(STAGING, self.runtime.host_buffer(self.numel, torch.bfloat16)
-                                           if self.runtime is not None else torch.empty(self.numel, dtype=torch.bfloat16),
+            self._stage16 = self.book_host(STAGING, self.runtime.host_buffer(self.numel, self.dtype)
+                                           if self.runtime is not None else torch.empty(self.numel, dtype=self.dtype),
                                            pinned)
             self._low_synced = False
         if not self._low_synced:
@@ -182,7 +185,7 @@ class HostMasterCopies:
             self.device_shard.refresh_window(self)
             return
         self.dirty = False
-        if self.flow and self.dtype == torch.bfloat16:   # no upload; the bf16 stage the next fetch reads
+        if self.flow and self.dtype in HALF_WEIGHTS:   # no upload; the 2-byte stage the next fetch reads
             self._sync_stage16()
             return
         if not self.mirror or self.weights is None or self.flow:
@@ -201,7 +204,7 @@ class HostMasterCopies:
             self._low_synced = True
             return
         src = self.master
-        if self.dtype == torch.bfloat16:   # cast on the host: half the bytes cross the link
+        if self.dtype in HALF_WEIGHTS:   # cast on the host: half the bytes cross the link, as they land
             self._sync_stage16()
             src = self._stage16
         h2d = self._h2d_after_grads(rt)

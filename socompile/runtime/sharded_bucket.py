@@ -22,8 +22,9 @@ cut; see docs/distributed.md).
 
 Per rank, with chunk = ceil(numel / W) and padded = W * chunk (the collectives need W equal chunks):
   host:   master, exp_avg, exp_avg_sq (and the ping-pong spare's three) of chunk fp32 elements; the gradient
-          landing buffer of chunk elements in the link dtype (bf16 for bf16 weights, else fp32); bf16 weights:
-          a pinned bf16 stage of chunk elements (the shard is cast on the host, half the bytes cross the link)
+          landing buffer of chunk elements in the link dtype (bf16 for bf16 weights, else fp32: fp16 gradients are
+          cast on the device after the reduction); bf16 / fp16 weights: a pinned stage of chunk elements in their
+          dtype (the shard is cast on the host, half the bytes cross the link)
   device: the weights, padded to ``padded`` (the all-gather's output); the gradients of ``padded`` elements and
           the reduce-scatter's output of chunk elements, in the weights' dtype; the upload of chunk elements
           (the all-gather's input). A flow bucket keeps nothing: its fetched window (``padded`` elements, the
@@ -36,7 +37,7 @@ import threading
 
 import torch
 
-from .host_master import store_gradients
+from .host_master import HALF_WEIGHTS, store_gradients
 from .memory import LANDING, MASTER, MOMENTS, STAGING
 from .traffic import FLOW_FETCH, GRADIENTS as GRADIENT_LINK, WEIGHT_UPLOAD
 
@@ -137,8 +138,8 @@ class DeviceShard:
         self._work_lock = threading.Lock()
         self.shard_buffer = None if self.flow else self.runtime.empty(self.chunk, self.dtype).zero_()
         self.reduced = None              # the reduce-scatter's output (shard_buffer; flow: a chunk of grads)
-        self.stage = bucket.book_host(STAGING, self.runtime.host_buffer(self.chunk, torch.bfloat16), True) \
-            if self.dtype == torch.bfloat16 else None
+        self.stage = bucket.book_host(STAGING, self.runtime.host_buffer(self.chunk, self.dtype), True) \
+            if self.dtype in HALF_WEIGHTS else None   # bf16 / fp16 weights: the shard cast on the host
         self.pool.ledger.alloc(SHARDS, id(self), self.fixed_device_bytes())
 
     @property
@@ -194,6 +195,8 @@ class DeviceShard:
         buffer (``bucket.grad``) on the "d2h" stream; ``bucket.wait_grads`` waits for it."""
         reduced, self.reduced = self.reduced, None
         reduced.div_(self.world)   # gloo has no AVG; NCCL's would round the same way for W = 2^k
+        if reduced.dtype != bucket.grad.dtype:   # fp16: cast to the fp32 landing dtype here, on the device, so
+            reduced = reduced.to(bucket.grad.dtype)   # what crosses is what lands (dtypes.gradient_link_name)
         rt = self.runtime
         bucket.grad_event = rt.copy_async(bucket.grad, reduced, rt.stream("d2h"))
         bucket.traffic.add_copy("d2h", GRADIENT_LINK, reduced)   # opt.traffic(): plan/transfers.py counts it
@@ -225,7 +228,7 @@ class DeviceShard:
         """What an upload of the shard in ``dtype`` reads: bf16, the pinned bf16 stage of the master shard (cast on
         the host when the master changed since, ``_low_synced``: half the bytes cross); else the master shard
         (the copy converts)."""
-        if self.stage is None or dtype != torch.bfloat16:
+        if self.stage is None or dtype != self.stage.dtype:
             return bucket.master
         if not bucket._low_synced:
             bucket.before_host_write()    # the previous upload read the stage: it must be done
@@ -287,7 +290,7 @@ def narrow_to_device_shard(bucket, rank: int, world: int) -> None:
     # whole until now; the master is read by the shard's upload only when the weights are not bf16 (bf16 weights
     # go up from the pinned bf16 stage, cast on the host: this path's one cast site)
     bucket.exp_avg, bucket.exp_avg_sq = (cut(t, MOMENTS, False) for t in (bucket.exp_avg, bucket.exp_avg_sq))
-    bucket.master = cut(bucket.master, MASTER, bucket.dtype != torch.bfloat16)
+    bucket.master = cut(bucket.master, MASTER, bucket.dtype not in HALF_WEIGHTS)
     bucket.grad = _landing_buffer(bucket, shard.chunk)
     if not bucket.flow:   # a flow bucket's weights hold nothing between uses: its fetches gather whole windows
         weights = bucket.runtime.empty(shard.padded, bucket.dtype)
