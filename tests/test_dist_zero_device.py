@@ -431,14 +431,14 @@ def test_device_zero_gradient_accumulation_equals_torch(compile):
 
 
 # ------------------------------------------------------------- one process: the layout of each rank, no collectives
-def _device_sharded_optimizer(monkeypatch, world: int, rank: int, preset: str = "tiny"):
-    """A bf16 model's socompile.AdamW on the emulated runtime, its buckets cut as rank ``rank`` of ``world`` cuts
-    them (FlatBucket.shard needs no process group), spares made (as speculation makes them)."""
+def _device_sharded_optimizer(monkeypatch, world: int, rank: int, preset: str = "tiny", dtype=torch.bfloat16):
+    """A bf16 (or ``dtype``) model's socompile.AdamW on the emulated runtime, its buckets cut as rank ``rank`` of
+    ``world`` cuts them (FlatBucket.shard needs no process group), spares made (as speculation makes them)."""
     import socompile
     from socompile.models import build
     monkeypatch.setenv("SOCOMPILE_RUNTIME", "emulated")
     torch.manual_seed(0)
-    model = build(preset, n_layers=1).to(torch.bfloat16)
+    model = build(preset, n_layers=1).to(dtype)
     opt = socompile.AdamW(model.parameters(), lr=1e-3, bucket_size="40KB")
     for b in opt.buckets:
         b.shard(rank, world)
@@ -474,6 +474,24 @@ def test_each_rank_holds_1_over_w_of_one_process_host_state_as_the_plan_counts(m
         for kind in total:
             total[kind] += sum(host[kind]) if kind == "spares" else host[kind]
     assert total["master"] == full["master"] + 4 * padding   # the ranks' shards cover the bucket once
+
+
+def test_fp16_device_sharded_buckets_hold_what_the_plan_counts(monkeypatch):
+    """fp16 weights under device-side ZeRO: the gradient shard lands as fp32 (cast on the device after the
+    reduction: the CPU kernel reads fp32 or bf16 gradients, not fp16), the shard goes up from a pinned fp16 stage
+    cast on the host, and the master is pageable; plan/memory.py counts the same, by purpose and pinned or not
+    (it counted a 2-byte landing buffer, as for bf16)."""
+    from socompile.plan.memory import HostLayout, host_buffers
+    from socompile.plan.plan import BucketPlan
+    world = 2
+    _, opt = _device_sharded_optimizer(monkeypatch, world, 1, dtype=torch.float16)
+    assert all(b.device_shard is not None and b.grad.dtype == torch.float32 for b in opt.buckets)
+    assert all(b.device_shard.stage.dtype == torch.float16 for b in opt.buckets)
+    plans = [BucketPlan(index=b.index, params=(), numel=b.numel, grad_bytes=4 * b.numel, optimizer_site="cpu",
+                        ready_after="", ready_position=0, cast_site="cpu", link_dtype="float32",
+                        param_link_dtype="float16") for b in opt.buckets]
+    planned = host_buffers(plans, 2, world, layout=HostLayout(pins=True), weight_dtype="float16")
+    assert opt.host_memory()["by_purpose"] == planned
 
 
 def test_a_whole_master_read_of_a_device_sharded_bucket_names_the_cause(monkeypatch):
