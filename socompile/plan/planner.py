@@ -25,7 +25,7 @@ import dataclasses
 import gc
 
 from ..capture.ir import IR
-from ..dtypes import dtype_name, gradient_link_name, weights_name
+from ..dtypes import dtype_bytes, dtype_name, gradient_link_name, weights_name
 from ..hardware.profiles import HardwareProfile
 from ..options import Options
 from ..perf.analysis import GraphCosts, analyze, layer_group
@@ -108,7 +108,7 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
     order = [name for name in ir.grad_order() if ir.params[name].optimized]
     optimized = [ir.params[n] for n in order]
     weight_dtype = weights_name(p.dtype for p in optimized)
-    weight_bytes = 2 if weight_dtype != "float32" else 4
+    weight_bytes = dtype_bytes(weight_dtype)
     unoptimized = tuple(n for n in ir.grad_order() if not ir.params[n].optimized)
     in_buckets = set(order)
     unopt_numel = sum(p.numel for p in ir.params.values() if p.name not in in_buckets)
