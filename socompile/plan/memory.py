@@ -19,8 +19,8 @@ Host (host_buffers; the runtime's HostLedger books the same buffers, runtime/mem
 padded elements: fp32 master (4n), Adam moments (8n), ping-pong spares for exact rollback (12n), the gradient
 landing buffer (n x link dtype), a staging copy (2n) that uploads and fetches of bf16 or fp16 weights read, and on
 CUDA with gradient accumulation an fp32 stage (4n); plus offloaded activations. Pinned: what copies to or from
-the device read or write (landing, staging, accumulation stage, activations, and the master of fp32 weights or of a device cast,
-which their uploads and fetches read); moments and spares never cross the link and are pageable.
+the device read or write (landing, staging, accumulation stage, activations, and the master of fp32 weights or of
+a device cast, which their uploads and fetches read); moments and spares never cross the link and are pageable.
 """
 from __future__ import annotations
 
