@@ -45,6 +45,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from ..optim.bucket_layout import alias_state
 from ..runtime.host_master import upload_order
 from ..runtime.sharded_bucket import widen_from_gathered, zero_pool
 from . import zero_device, zero_gather
@@ -274,7 +275,7 @@ def shard_optimizer(optimizer, group=None, broadcast_from: int | None = 0) -> Ze
     for bucket in optimizer.buckets:
         for i, p in enumerate(bucket.params):
             if p in optimizer.state:
-                optimizer._alias_state(bucket, i, optimizer.state[p])
+                alias_state(bucket, i, optimizer.state[p])
     return sharding
 
 
