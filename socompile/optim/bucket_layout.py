@@ -70,6 +70,8 @@ def make_buckets(opt: "AdamW", param_lists: list[list[nn.Parameter]], indices: l
             opt._slot[id(p)] = (bucket, i)
             if p in opt.state:
                 alias_state(bucket, i, opt.state[p])
+    if opt._sharding is not None:   # device-side ZeRO: eager forwards wait for the buckets now holding their weights
+        opt._sharding.laid_out(opt._slot)
     return made
 
 
