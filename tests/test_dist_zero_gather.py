@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from socompile.distributed.launch import run_local
+from dist_helpers import save_midway
 
 HERE = str(pathlib.Path(__file__).resolve())
 EMULATED = {"SOCOMPILE_RUNTIME": "emulated"}
@@ -229,12 +230,7 @@ def _save_worker(args: dict) -> dict:
     import socompile.distributed as sd
     topo = sd.init_distributed(timeout_s=60)
     batches = _batches(STEPS)
-    model, opt = _build_bf16(0)
-    sd.shard_optimizer(opt, topo.world_group)
-    _train(model, opt, batches[:SAVE_AT], topo.rank, topo.world_size)
-    sd.save(args["dir"], model, opt, step=SAVE_AT)
-    saved = _master_pieces(opt)
-    norms = _train(model, opt, batches[SAVE_AT:], topo.rank, topo.world_size)
+    model, opt, saved, norms = save_midway(topo, args["dir"], batches, SAVE_AT, _build_bf16, _train, _master_pieces)
     run = {"saved": saved, "final": _master_pieces(opt), "weights": _weights(model, opt), "norms": norms}
     device_sharded = all(b.device_shard is not None for b in opt.buckets)
     del model, opt
