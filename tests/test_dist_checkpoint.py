@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from socompile.distributed.launch import run_local
+from dist_helpers import save_midway
 
 HERE = str(pathlib.Path(__file__).resolve())
 ROWS, STEPS, SAVE_AT = 6, 6, 3     # 6 rows: divisible by 1, 2 and 3 ranks
@@ -248,12 +249,7 @@ def _separate_worker(args: dict) -> dict:
 
     topo = sd.init_distributed(timeout_s=60)
     data = _data()
-    model, opt = _build_bf16(0)
-    sd.shard_optimizer(opt, topo.world_group)
-    _train(model, opt, data[:SAVE_AT], topo.rank, topo.world_size)
-    sd.save(args["dir"], model, opt, step=SAVE_AT)
-    saved_master = _master(opt)
-    norms = _train(model, opt, data[SAVE_AT:], topo.rank, topo.world_size)
+    model, opt, saved_master, norms = save_midway(topo, args["dir"], data, SAVE_AT, _build_bf16, _train, _master)
     final = {n: p.detach().clone() for n, p in model.named_parameters()}
     final_master = _master(opt)
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from socompile.distributed.launch import run_local
+from dist_helpers import save_midway
 
 HERE = str(pathlib.Path(__file__).resolve())
 EMULATED = {"SOCOMPILE_RUNTIME": "emulated"}
@@ -92,7 +93,7 @@ def _overlap_worker(args: dict) -> dict:
     topo = sd.init_distributed(timeout_s=60)
     _late_all_gathers()
     torch.manual_seed(0)
-    model = build("tiny", n_layers=1)
+    model = build("tiny-tied", n_layers=1)   # lm_head's weight is tok_emb's: one parameter, two modules' reads
     start = copy.deepcopy(model)
     opt = socompile.AdamW(model.parameters(), max_grad_norm=CLIP, bucket_size="40KB", **HYPER)
     sd.shard_optimizer(opt, topo.world_group)
@@ -118,7 +119,10 @@ def _overlap_worker(args: dict) -> dict:
         opt.zero_grad()
         record["pending_after_step"] = _pending(opt)
         if step == 1:   # a plain eager forward of the module reads the weights: it waits for every all-gather
-            with torch.no_grad():
+            with torch.no_grad():   # ... first lm_head alone: only for the bucket of its (tied) weight
+                logits = model.lm_head(torch.ones(2, model.lm_head.in_features))
+                record["lm_head_finite"] = bool(logits.isfinite().all())
+                record["pending_after_lm_head"] = _pending(opt)
                 eager = model(mine[:, :-1])
             record["eager_finite"] = bool(eager.isfinite().all())
             record["pending_after_eager"] = _pending(opt)
@@ -130,6 +134,7 @@ def _overlap_worker(args: dict) -> dict:
             record["state_is_gathered"] = all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
         out["steps"].append(record)
     out["fw_rank"] = [(b.index, b.fw_rank) for b in opt.buckets]
+    out["lm_head_buckets"] = [b.index for b in opt.buckets if any(p is model.lm_head.weight for p in b.params)]
     with opt.materialized_weights():
         weights = [p.detach().clone() for p in model.parameters()]
     ref = _torch_reference(start, batches, topo.world_size)
@@ -161,7 +166,13 @@ def test_weight_all_gathers_overlap_the_next_forward_each_waited_right_before_it
         # still in flight (the overlap) and every earlier one is done
         for k, (bucket, pending) in enumerate(overlapped["waits"]):
             assert sorted(pending) == sorted(order[k:]), (bucket, pending)
-        # reads outside the compiled forward waited first (a late all-gather leaves NaN until waited)
+        # reads outside the compiled forward waited first (a late all-gather leaves NaN until waited): an eager
+        # call of one module waits for the buckets of its parameters only (its tied weight's), the whole model's
+        # for the rest
+        assert len(r["lm_head_buckets"]) == 1 and len(order) > 1, (r["lm_head_buckets"], order)
+        assert sorted(overlapped["pending_after_lm_head"]) == sorted(set(order) - set(r["lm_head_buckets"])), \
+            "lm_head waited for the all-gather of its tied weight's bucket and for no other"
+        assert overlapped["lm_head_finite"], "lm_head read its tied weight only after that bucket's all-gather"
         assert overlapped["eager_finite"] and overlapped["pending_after_eager"] == []
         assert all(pending == [] for _, pending in state["waits"]), \
             "the eager forward after step 1 already waited for every all-gather"
@@ -219,12 +230,7 @@ def _save_worker(args: dict) -> dict:
     import socompile.distributed as sd
     topo = sd.init_distributed(timeout_s=60)
     batches = _batches(STEPS)
-    model, opt = _build_bf16(0)
-    sd.shard_optimizer(opt, topo.world_group)
-    _train(model, opt, batches[:SAVE_AT], topo.rank, topo.world_size)
-    sd.save(args["dir"], model, opt, step=SAVE_AT)
-    saved = _master_pieces(opt)
-    norms = _train(model, opt, batches[SAVE_AT:], topo.rank, topo.world_size)
+    model, opt, saved, norms = save_midway(topo, args["dir"], batches, SAVE_AT, _build_bf16, _train, _master_pieces)
     run = {"saved": saved, "final": _master_pieces(opt), "weights": _weights(model, opt), "norms": norms}
     device_sharded = all(b.device_shard is not None for b in opt.buckets)
     del model, opt

@@ -68,6 +68,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from .. import integrity
 from ..checkpoint import _fsync_dir, _module, log
+from ..optim.bucket_layout import alias_state
 
 FORMAT = "socompile-dcp-checkpoint"
 VERSION = 3   # 3: a device-sharded bucket's fp32 master as flat pieces; 2: "checksums.<rank>" entries; 1: none
@@ -327,7 +328,7 @@ def load(path: str | os.PathLike, model=None, optimizer=None, *, group=None, str
                 optimizer.state.pop(p, None)
                 continue
             optimizer.state[p]["step"] = torch.tensor(float(bucket.steps[i]), dtype=torch.float32)
-            optimizer._alias_state(bucket, i, optimizer.state[p])
+            alias_state(bucket, i, optimizer.state[p])
     extra = _unpack(state["extra"]) if isinstance(state["extra"], bytes) else state["extra"]
     return dict(extra or {})
 

@@ -45,6 +45,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from ..optim.bucket_layout import alias_state
 from ..runtime.host_master import upload_order
 from ..runtime.sharded_bucket import widen_from_gathered, zero_pool
 from . import zero_device, zero_gather
@@ -83,9 +84,15 @@ class ZeroSharding:
         self._inflight: dict[int, tuple] = {}    # id(bucket) -> (work, received shard, bucket)
         self._reduced: set[int] = set()          # ids of buckets whose shard holds reduced gradients now
         self.stream_ordered = zero_device.stream_ordered(group)   # NCCL: waits order streams (zero_device.py)
-        self.eager_forward_hooks: list = []      # device-side ZeRO: forward pre-hooks that wait for all-gathers
+        self.eager_reads = None                  # device-side ZeRO: forward pre-hooks that wait for all-gathers
 
     # ---------------------------------------------------------------- layout
+    def laid_out(self, slot: dict) -> None:
+        """The optimizer laid buckets out (again): an eager forward waits for the buckets now holding its
+        module's parameters (``slot``: the optimizer's parameter -> (bucket, segment) index; zero_gather.py)."""
+        if self.eager_reads is not None:
+            self.eager_reads.index(slot)
+
     def shard_of(self, bucket) -> _Shard:
         bucket.shard(self.rank, self.world)   # no-op once sharded (buckets made after shard_optimizer are)
         chunk = -(-bucket.numel // self.world)
@@ -270,11 +277,11 @@ def shard_optimizer(optimizer, group=None, broadcast_from: int | None = 0) -> Ze
         zero_pool(runtime).collectives = sharding   # flow buckets' fetches all-gather through it (later claims too)
     if sharding.world > 1 and optimizer.host_master == "separate" and optimizer.runtime_kind in ("cuda", "emulated"):
         # device-side ZeRO: step() leaves the weights' all-gathers in flight; an eager forward waits first
-        sharding.eager_forward_hooks = zero_gather.wait_before_eager_reads(optimizer)
+        sharding.eager_reads = zero_gather.EagerReadWaits(optimizer)
     for bucket in optimizer.buckets:
         for i, p in enumerate(bucket.params):
             if p in optimizer.state:
-                optimizer._alias_state(bucket, i, optimizer.state[p])
+                alias_state(bucket, i, optimizer.state[p])
     return sharding
 
 

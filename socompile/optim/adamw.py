@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import math
 import time
 from typing import Iterable
 
@@ -31,34 +30,25 @@ import torch
 from torch import nn
 
 from ..options import parse_bytes
-from ..plan.bucketize import bucketize
-from ..runtime import ranges
-from ..runtime.cpu_adam import grad_stats, rollback_inplace, step_bucket
+from ..runtime.cpu_adam import grad_stats, step_bucket
 from ..runtime.device import Runtimes
 from ..runtime.events import EventLog
 from ..runtime.flat_bucket import FlatBucket, real_dtype
 from ..runtime.host_master import upload_order
 from ..runtime.memory import HostLedger
-from ..runtime.speculation import Speculator, clip_coefficient
+from ..runtime.speculation import Speculator
 from ..runtime.traffic import TrafficLedger
 from ..runtime.worker import CPUWorker
 from . import state_dict as optimizer_state
+from .bucket_layout import make_buckets, pool_buckets
 from .graph_claim import ClaimLayout, Claims, GraphClaim, GraphOrigin
 from .hyper import check_group
 from .module_state import ModelStateHooks, _ModuleHook  # noqa: F401  (_ModuleHook: pickled models name it here)
-from .owner import previous_owners, release, set_owner
+from .owner import hand_over, previous_owners, set_owner
 from .state_dict import torch_param_group  # noqa: F401  (imported from here by socompile.distributed)
+from .validation import commit, discard_iteration, step_now, upload_final, validate_and_finish
 
 log = logging.getLogger("socompile")
-
-
-def _by_storage(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-    """``params`` split by what one flat bucket can hold together (one real dtype, one device), in order of
-    first appearance; a model of one dtype is one list."""
-    kinds: dict[tuple, list[nn.Parameter]] = {}
-    for p in params:
-        kinds.setdefault((real_dtype(p.dtype), p.device), []).append(p)
-    return list(kinds.values())
 
 
 class AdamW(torch.optim.Optimizer):
@@ -153,21 +143,6 @@ class AdamW(torch.optim.Optimizer):
                     host_master=self.host_master)
 
     # -------------------------------------------------------------- takeover
-    def _hand_over(self) -> None:
-        """A newer socompile.AdamW was built over (some of) this optimizer's parameters and takes them over.
-        This one gives all its parameters back to the model as they are now (the step in flight finished, flow
-        weights filled for good, the model's state-dict hooks removed, no owner) and refuses any further use."""
-        self._wait_pending()
-        self.wait_uploads()
-        for bucket in self.buckets:
-            bucket.keep_weights()
-        if self._model_state is not None:
-            self._model_state.remove()
-            self._model_state = None
-        for p in self._all_params():
-            release(p, self)
-        self._taken_over = True
-
     def _check_not_taken_over(self) -> None:
         if self._taken_over:
             raise RuntimeError("this socompile.AdamW can no longer be used: its parameters were taken over by a "
@@ -203,67 +178,15 @@ class AdamW(torch.optim.Optimizer):
         first, so the buckets laid out next read each parameter's current weights."""
         params = [p for gi in group_indices for p in self.param_groups[gi]["params"]]
         for previous in previous_owners(params, self):
-            previous._hand_over()
+            hand_over(previous)
         for gi in group_indices:
             for p in self.param_groups[gi]["params"]:
                 set_owner(p, self)
                 self._group_index[id(p)] = gi
 
     def _rebuild_pool(self) -> None:
-        """Bucket every parameter no active claim holds, in reverse registration order (the usual order of
-        gradients in backward): trainable ones, and frozen ones that were bucketed before (their state is
-        kept, and their weights stay in place when the claim that held them goes stale)."""
-        claimed = {id(p) for b in self._claimed_buckets() for p in b.params}
-        free = [p for p in reversed(self._all_params()) if id(p) not in claimed
-                and (p.requires_grad or p.grad is not None or id(p) in self._slot)]
-        by_id = {id(p): p for p in free}
-        groups = [names for kind in _by_storage(free)
-                  for names in bucketize([(str(id(p)), p.numel()) for p in kind], self.bucket_size)]
-        # Pool buckets get negative indices so events never confuse them with a graph's planned buckets.
-        self._pool = self._make_buckets([[by_id[int(k)] for k in names] for names in groups],
-                                        indices=[-1 - k for k in range(len(groups))])
-
-    def _make_buckets(self, param_lists: list[list[nn.Parameter]], indices: list[int],
-                      sites: list[str] | None = None, flow: list[bool] | None = None,
-                      link_dtypes: list[str] | None = None, cast_sites: list[str] | None = None) -> list[FlatBucket]:
-        made, shard = [], None
-        if self._sharding is not None:   # ZeRO: new buckets keep state for this rank's window only ...
-            shard = (self._sharding.rank, self._sharding.world)
-            # ... and state held by other ranks under the old layout is gathered first (same order everywhere)
-            old = {id(b): b for params in param_lists for p in params if id(p) in self._slot
-                   for b in (self._slot[id(p)][0],)
-                   if b.sharded and (any(b.steps) or b.device_shard is not None)}   # device-side: the master too
-            self._sharding.unshard_state(list(old.values()))
-        for k, (index, params) in enumerate(zip(indices, param_lists)):
-            runtime = None
-            if self.host_master == "separate" and params:
-                runtime = self._runtimes.get(params[0].device, self.runtime_kind)
-            bucket = FlatBucket(index, params, shard=shard, host_master=self.host_master,
-                                site=sites[k] if sites else "cpu", flow=bool(flow and flow[k]), runtime=runtime,
-                                link_dtype=link_dtypes[k] if link_dtypes else None,
-                                cast_site=cast_sites[k] if cast_sites else "cpu", traffic=self.traffic_ledger,
-                                host_ledger=self.host_ledger)
-            bucket.adopt(self._slot)
-            bucket.group_of = [self._group_index[id(p)] for p in params]
-            bucket.rollback_mode = self.rollback
-            made.append(bucket)
-        for bucket in made:
-            for i, p in enumerate(bucket.params):
-                self._slot[id(p)] = (bucket, i)
-                if p in self.state:
-                    self._alias_state(bucket, i, self.state[p])
-        return made
-
-    @staticmethod
-    def _alias_state(bucket: FlatBucket, i: int, state: dict) -> None:
-        """Point ``state``'s moments at the bucket's current buffers; a sharded bucket has no whole moment
-        tensor to show, so its state holds the step count only (see socompile.distributed.checkpoint)."""
-        if bucket.sharded:
-            state.pop("exp_avg", None)
-            state.pop("exp_avg_sq", None)
-        else:
-            state["exp_avg"] = bucket.view(bucket.exp_avg, i)
-            state["exp_avg_sq"] = bucket.view(bucket.exp_avg_sq, i)
+        """Lay out again the buckets of every parameter no active claim holds (optim/bucket_layout.py)."""
+        self._pool = pool_buckets(self)
 
     def claim(self, param_lists: list[list[nn.Parameter]], early_step: list[bool] | None = None,
               rollback: list[str] | None = None, sites: list[str] | None = None,
@@ -298,7 +221,7 @@ class AdamW(torch.optim.Optimizer):
             return
         self._wait_pending()
         self._claims.take_over(claim)
-        claim.buckets[:] = self._make_buckets(**claim.layout.bucket_args())
+        claim.buckets[:] = make_buckets(self, **claim.layout.bucket_args())
         for bucket, mode in zip(claim.buckets, claim.layout.rollback or ()):
             bucket.rollback_mode = mode
         for runtime in getattr(claim, "offload_runtimes", ()):   # the graph's device staging of its uploads
@@ -419,13 +342,13 @@ class AdamW(torch.optim.Optimizer):
         if self._sharding is not None:
             self._sharding.reduce_remaining(buckets)
         if self._validating():
-            self._validate_and_finish(buckets)
+            validate_and_finish(self, buckets)
         else:
             for bucket in upload_order(buckets):
                 if not bucket.stepped:
-                    self._step_now(bucket, 1.0)
-                self._upload_final(bucket)
-            self._commit(buckets)
+                    step_now(self, bucket, 1.0)
+                upload_final(self, bucket)
+            commit(self, buckets)
         if self._sharding is not None:
             self._sharding.gather(buckets, changed=not (self._validating() and self.last_step_skipped))
         self._upload(buckets)
@@ -442,13 +365,6 @@ class AdamW(torch.optim.Optimizer):
         "gradients", "weight upload", "flow fetch", "activation offload" or "activation fetch"
         (runtime/traffic.py). The plan predicts the same dict (socompile.plan.transfers.per_step_traffic)."""
         return dict(self.traffic_ledger.last)
-
-    def _upload_final(self, bucket: FlatBucket) -> None:
-        """Separate host master: upload ``bucket`` as soon as its step is final (committed, redone, stepped
-        now, rolled back by the inverse), so its copy overlaps the rest of ``step()`` and the next forward.
-        ZeRO: not yet; only this rank's window is new until the all-gather (``_upload`` after it)."""
-        if bucket.dirty and self._sharding is None:
-            bucket.upload()
 
     def _upload(self, buckets: list[FlatBucket]) -> None:
         """Separate host master: upload every bucket whose master still changed since its last upload (ZeRO's
@@ -471,81 +387,6 @@ class AdamW(torch.optim.Optimizer):
         ``materialized_weights()`` and ``model.state_dict()`` call it."""
         for bucket in self.buckets:
             bucket.wait_upload_on_compute()
-
-    def _step_now(self, bucket: FlatBucket, grad_scale: float) -> None:
-        self.events.record("step_start", bucket.index)
-        step_bucket(bucket, self.param_groups, grad_scale, final=True)
-        bucket.stepped = True
-        self.events.record("step_end", bucket.index)
-
-    @ranges.ranged(ranges.VALIDATE)
-    def _validate_and_finish(self, buckets: list[FlatBucket]) -> None:
-        """Validation: commit the speculated steps, or roll them back and skip (non-finite gradients), or
-        roll them back and redo them with clipped gradients."""
-        start = time.perf_counter()
-        spec = self._speculator
-        total, nonfinite = 0.0, False
-        for bucket in buckets:
-            if bucket.partial is None:
-                bucket.partial = grad_stats(bucket)
-            total, nonfinite = total + bucket.partial[0], nonfinite or bucket.partial[1]
-        if self._sharding is not None:   # partials cover this rank's shards: every rank must decide alike
-            total, nonfinite = self._sharding.global_stats(total, nonfinite)
-        norm = math.sqrt(total) if not nonfinite and math.isfinite(total) else float("nan")
-        self.last_grad_norm = norm
-        speculated = [b for b in buckets if b.speculated]
-        self.events.record("validate")
-        if not math.isfinite(norm):
-            for bucket in speculated:
-                self._roll_back(bucket)
-                self._upload_final(bucket)   # an in-place rollback rewrote the master (inverse)
-            self.last_step_skipped, self.last_step_clipped = True, False
-            self.events.record("skip")
-        else:
-            scale = clip_coefficient(norm, self.max_grad_norm)
-            self.last_step_skipped, self.last_step_clipped = False, scale < 1.0
-            # Each bucket is final here, one by one: its upload is issued at once (overlapping the next
-            # buckets' commits or redone steps), in the order the next forward reads them.
-            for bucket in upload_order(buckets):
-                if bucket.speculated and scale < 1.0:
-                    self._roll_back(bucket)
-                    self._step_now(bucket, scale)
-                    spec.stats.redone += 1
-                elif bucket.speculated:
-                    if bucket.speculated == "spare":
-                        bucket.swap_in_spare()
-                    spec.stats.committed += 1
-                elif not bucket.stepped:
-                    self._step_now(bucket, scale)
-                self._upload_final(bucket)
-            self._commit(buckets)
-        spec.end_step(norm, skipped=self.last_step_skipped, clipped=self.last_step_clipped)
-        spec.stats.seconds_validating += time.perf_counter() - start
-        if log.isEnabledFor(logging.DEBUG):   # TORCH_LOGS=+socompile shows one line per step
-            log.debug("socompile step %d: norm %.4g, %s; speculation so far %s", spec.stats.steps, norm,
-                      "skipped" if self.last_step_skipped else "clipped" if self.last_step_clipped else "committed",
-                      spec.stats.as_dict())
-
-    def _roll_back(self, bucket: FlatBucket) -> None:
-        if bucket.speculated == "inplace":
-            rollback_inplace(bucket, self.param_groups, grad_scale=1.0)
-        # "spare": the current state was never written; dropping the spare is the rollback.
-        bucket.speculated = None
-        self._speculator.stats.rolled_back += 1
-        self.events.record("rollback", bucket.index)
-
-    def _commit(self, buckets: list[FlatBucket]) -> None:
-        for bucket in buckets:
-            for i, p in enumerate(bucket.params):
-                if not bucket.has_grad[i]:
-                    continue
-                bucket.steps[i] += 1
-                state = self.state[p]
-                if "step" not in state:
-                    state["step"] = torch.tensor(0.0)
-                self._alias_state(bucket, i, state)   # the current copy (a ping-pong commit may have swapped it)
-                state["step"].fill_(float(bucket.steps[i]))
-        self.events.record("commit")
 
     def host_memory(self) -> dict:
         """Host memory this optimizer's runtime holds, from its ledger (runtime/memory.py HostLedger): bytes
@@ -575,7 +416,7 @@ class AdamW(torch.optim.Optimizer):
         if self._sharding is not None:   # ZeRO: reductions the discarded backward started are dropped too
             self._sharding.discard(self.buckets)
         for bucket in self.buckets:
-            self._discard_iteration(bucket)
+            discard_iteration(self, bucket)
             for p in bucket.params:
                 if p.grad is None:
                     continue
@@ -589,18 +430,6 @@ class AdamW(torch.optim.Optimizer):
                 p.grad = None if set_to_none else p.grad.zero_()
         self._speculator.begin_step()
         self._upload(self.buckets)   # separate host master: weights uploaded during backward are undone too
-
-    def _discard_iteration(self, bucket: FlatBucket) -> None:
-        bucket.wait_grads()
-        if bucket.speculated:
-            self._roll_back(bucket)
-        elif bucket.stepped:   # taken final during backward (no validation), kept undoable there
-            if bucket.rollback_mode == "pingpong":
-                bucket.swap_in_spare()   # the spare holds the state before the step, whole
-            else:
-                rollback_inplace(bucket, self.param_groups, grad_scale=1.0)
-            self.events.record("rollback", bucket.index)
-        bucket.reset_iteration()
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self):

@@ -8,6 +8,7 @@ import torch
 
 from ..integrity import bad_values, is_step_count
 from ..runtime.flat_bucket import flat_real, real_dtype
+from .bucket_layout import alias_state
 
 if TYPE_CHECKING:
     from .adamw import AdamW
@@ -109,7 +110,7 @@ def save(opt: "AdamW") -> dict:
         if slot is None or "step" not in state:
             continue
         bucket, i = slot
-        opt._alias_state(bucket, i, state)
+        alias_state(bucket, i, state)
         state["step"] = torch.tensor(float(bucket.steps[i]), dtype=torch.float32)
         if bucket.master.dtype != real_dtype(p.dtype):
             state["master"] = bucket.view(bucket.master, i)   # the fp32 weights the bf16 ones round
@@ -170,7 +171,7 @@ def load(opt: "AdamW", state_dict, checked: bool = False) -> None:
                 if held is not None:   # flat and real (complex parameters: their real view), as the bucket
                     flat_real(bucket.state_part(buffer, i)).copy_(
                         flat_real(raw.get(id(p), state)[key])[held[0]:held[1]])
-            opt._alias_state(bucket, i, state)
+            alias_state(bucket, i, state)
             bucket.steps[i] = int(float(state["step"]))
             state["step"] = torch.tensor(float(bucket.steps[i]), dtype=torch.float32)
     opt._upload(opt.buckets)

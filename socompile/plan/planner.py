@@ -17,7 +17,8 @@ Decisions, in this order (each reads the cost model; docs/planner.md explains th
    (``t_compute(reads) / t_transfer`` highest first), give each flow bucket the prefetch distance that hides its
    transfer, then replay the step in the simulator. The fastest feasible K wins (ties: fewer on the GPU).
    ``options.gpu_buckets`` pins K.
-5. Rollback mode per CPU bucket: exact (ping-pong state) while host memory allows, else the algebraic inverse.
+5. Rollback mode per CPU bucket: exact (ping-pong state) while host memory allows, else the algebraic inverse
+   (``rollback.py``).
 """
 from __future__ import annotations
 
@@ -35,10 +36,11 @@ from ..units import human_bytes
 from .activation_policy import _activation_policy
 from .bucketize import FP32_BYTES, bucketize
 from .floor import bucket_size_candidates, bucket_size_line, bucket_text, infeasible_message
-from .memory import HostLayout, MemoryEstimate, host_memory, padded_numels, runtime_device_bytes
+from .memory import MemoryEstimate, runtime_device_bytes
 from .transfers import per_step_traffic
 from .plan import BucketPlan, Plan
-from .search_state import HOST_HEADROOM, PlanError, _compact_buckets, _Context, _device, _formula  # noqa: F401
+from .rollback import rollback_modes
+from .search_state import PlanError, _compact_buckets, _Context, _device, _formula  # noqa: F401
 
 MAX_PREFETCH = 8          # buffers beyond this cost memory and no longer hide anything on these profiles
 FULL_SEARCH = 48          # try every K up to this many buckets; beyond, a grid then a local refinement
@@ -138,7 +140,7 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
                             f"{options.prefetch_distance}) needs {human_bytes(memory.device_peak)} of device memory, "
                             f"over the budget of {human_bytes(budget)}; stream more buckets (weight_mode='flow') or "
                             f"leave weight_mode='planned'")
-    buckets, host_total, host_pinned, host_parts = _rollback_modes(ctx, buckets, decisions)
+    buckets, host_total, host_pinned, host_parts = rollback_modes(ctx, buckets, decisions)
     names = ctx.ir.symbol_names
     zero = simulate(_plan_of(ctx, buckets, recompute, ()), costs, cost, "zero-offload")
     counts = {c: sum(1 for _, x in ctx.choices if x == c)
@@ -498,39 +500,3 @@ def _apply_pins(ctx: _Context, buckets, decisions: list[str]):
                for b in out]
         decisions.append(f"gradients cross the link as {opts.grad_link_dtype} (options.grad_link_dtype)")
     return out
-
-
-def _host(ctx: _Context, buckets):
-    return host_memory(buckets, ctx.weight_bytes, ctx.world, int(ctx.offloaded_bytes),
-                       padded_numels(buckets, ctx.ir), host_layout(ctx.options, ctx.weight_bytes), ctx.weight_dtype)
-
-
-def host_layout(options: Options, weight_bytes: int) -> HostLayout:
-    """The host layout the runtime of ``options.runtime`` will use: the CPU runtime pins nothing and fp32
-    parameters share the master; any other runtime (a GPU target's CUDA, or the emulated one) pins what crosses
-    the link. Gradient accumulation is the optimizer's argument, unknown here: its stage is not counted."""
-    if options.runtime == "cpu":
-        return HostLayout(pins=False, shared_master=weight_bytes == 4)
-    return HostLayout()
-
-
-def _rollback_modes(ctx: _Context, buckets, decisions: list[str]):
-    limit = ctx.hw.host_memory * HOST_HEADROOM
-    total, pinned, parts = _host(ctx, buckets)
-    if total <= limit:
-        return buckets, total, pinned, parts
-    # Drop ping-pong copies, largest-numel CPU buckets first (ties: index), until host memory fits.
-    out = list(buckets)
-    for b in sorted((b for b in buckets if b.optimizer_site == "cpu"), key=lambda b: (-b.numel, b.index)):
-        out[b.index] = dataclasses.replace(b, rollback="inverse")
-        total, pinned, parts = _host(ctx, out)
-        if total <= limit:
-            break
-    inverse = sum(1 for b in out if b.rollback == "inverse")
-    decisions.append(f"rollback: {inverse} CPU bucket(s) use the algebraic inverse (host memory "
-                     f"{human_bytes(ctx.hw.host_memory)} too small for ping-pong state)")
-    if total > limit:
-        raise PlanError(f"host memory: the plan needs {human_bytes(total)} of host memory but {ctx.hw.name} has "
-                        f"{human_bytes(ctx.hw.host_memory)} (usable {human_bytes(limit)}); keep more buckets on the GPU "
-                        f"or use a machine with more host memory")
-    return out, total, pinned, parts

@@ -372,7 +372,7 @@ class FlatBucket(HostMasterCopies):
                 if not present and self.held(i) is not None:
                     for mine, spare in ((window, spare_master), (self.exp_avg, spare_m), (self.exp_avg_sq, spare_v)):
                         self.state_part(spare, i).copy_(self.state_part(mine, i))
-            previous = window.clone()   # kept in the spare: zero_grad() may swap back (AdamW._discard_iteration)
+            previous = window.clone()   # kept in the spare: zero_grad() may swap back (validation.discard_iteration)
             window.copy_(spare_master)
             spare_master.copy_(previous)
             self.spare = (spare_master, self.exp_avg, self.exp_avg_sq)

@@ -1,0 +1,132 @@
+"""The end of socompile.AdamW's step with validation (``max_grad_norm``, ``skip_nonfinite``), and its undo.
+
+``step()`` sums the buckets' norm partials into the global gradient norm and then, per bucket: commits the
+speculated step, or rolls it back and skips the step (a non-finite norm), or rolls it back and redoes it with
+the clip coefficient (runtime/speculation.py); a bucket not stepped yet is stepped now (``step_now``), and each
+is uploaded as soon as it is final (``upload_final``). ``zero_grad()`` without ``step()`` discards what the
+backward started (``discard_iteration``).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..runtime import ranges
+from ..runtime.cpu_adam import grad_stats, rollback_inplace, step_bucket
+from ..runtime.flat_bucket import FlatBucket
+from ..runtime.host_master import upload_order
+from ..runtime.speculation import clip_coefficient
+from .bucket_layout import alias_state
+
+if TYPE_CHECKING:
+    from .adamw import AdamW
+
+log = logging.getLogger("socompile")
+
+
+@ranges.ranged(ranges.VALIDATE)
+def validate_and_finish(opt: "AdamW", buckets: list[FlatBucket]) -> None:
+    """Validation: commit the speculated steps, or roll them back and skip (non-finite gradients), or
+    roll them back and redo them with clipped gradients."""
+    start = time.perf_counter()
+    spec = opt._speculator
+    total, nonfinite = 0.0, False
+    for bucket in buckets:
+        if bucket.partial is None:
+            bucket.partial = grad_stats(bucket)
+        total, nonfinite = total + bucket.partial[0], nonfinite or bucket.partial[1]
+    if opt._sharding is not None:   # partials cover this rank's shards: every rank must decide alike
+        total, nonfinite = opt._sharding.global_stats(total, nonfinite)
+    norm = math.sqrt(total) if not nonfinite and math.isfinite(total) else float("nan")
+    opt.last_grad_norm = norm
+    speculated = [b for b in buckets if b.speculated]
+    opt.events.record("validate")
+    if not math.isfinite(norm):
+        for bucket in speculated:
+            roll_back(opt, bucket)
+            upload_final(opt, bucket)   # an in-place rollback rewrote the master (inverse)
+        opt.last_step_skipped, opt.last_step_clipped = True, False
+        opt.events.record("skip")
+    else:
+        scale = clip_coefficient(norm, opt.max_grad_norm)
+        opt.last_step_skipped, opt.last_step_clipped = False, scale < 1.0
+        # Each bucket is final here, one by one: its upload is issued at once (overlapping the next
+        # buckets' commits or redone steps), in the order the next forward reads them.
+        for bucket in upload_order(buckets):
+            if bucket.speculated and scale < 1.0:
+                roll_back(opt, bucket)
+                step_now(opt, bucket, scale)
+                spec.stats.redone += 1
+            elif bucket.speculated:
+                if bucket.speculated == "spare":
+                    bucket.swap_in_spare()
+                spec.stats.committed += 1
+            elif not bucket.stepped:
+                step_now(opt, bucket, scale)
+            upload_final(opt, bucket)
+        commit(opt, buckets)
+    spec.end_step(norm, skipped=opt.last_step_skipped, clipped=opt.last_step_clipped)
+    spec.stats.seconds_validating += time.perf_counter() - start
+    if log.isEnabledFor(logging.DEBUG):   # TORCH_LOGS=+socompile shows one line per step
+        log.debug("socompile step %d: norm %.4g, %s; speculation so far %s", spec.stats.steps, norm,
+                  "skipped" if opt.last_step_skipped else "clipped" if opt.last_step_clipped else "committed",
+                  spec.stats.as_dict())
+
+
+def roll_back(opt: "AdamW", bucket: FlatBucket) -> None:
+    """Undo ``bucket``'s speculated step."""
+    if bucket.speculated == "inplace":
+        rollback_inplace(bucket, opt.param_groups, grad_scale=1.0)
+    # "spare": the current state was never written; dropping the spare is the rollback.
+    bucket.speculated = None
+    opt._speculator.stats.rolled_back += 1
+    opt.events.record("rollback", bucket.index)
+
+
+def commit(opt: "AdamW", buckets: list[FlatBucket]) -> None:
+    """The steps are final: count them and show the current moments in ``opt.state`` (torch's layout)."""
+    for bucket in buckets:
+        for i, p in enumerate(bucket.params):
+            if not bucket.has_grad[i]:
+                continue
+            bucket.steps[i] += 1
+            state = opt.state[p]
+            if "step" not in state:
+                state["step"] = torch.tensor(0.0)
+            alias_state(bucket, i, state)   # the current copy (a ping-pong commit may have swapped it)
+            state["step"].fill_(float(bucket.steps[i]))
+    opt.events.record("commit")
+
+
+def discard_iteration(opt: "AdamW", bucket: FlatBucket) -> None:
+    """``zero_grad()`` without ``step()``: undo whatever the backward started on ``bucket``."""
+    bucket.wait_grads()
+    if bucket.speculated:
+        roll_back(opt, bucket)
+    elif bucket.stepped:   # taken final during backward (no validation), kept undoable there
+        if bucket.rollback_mode == "pingpong":
+            bucket.swap_in_spare()   # the spare holds the state before the step, whole
+        else:
+            rollback_inplace(bucket, opt.param_groups, grad_scale=1.0)
+        opt.events.record("rollback", bucket.index)
+    bucket.reset_iteration()
+
+
+def step_now(opt: "AdamW", bucket: FlatBucket, grad_scale: float) -> None:
+    """Step ``bucket`` now, final (no speculation: validated already, or nothing to validate)."""
+    opt.events.record("step_start", bucket.index)
+    step_bucket(bucket, opt.param_groups, grad_scale, final=True)
+    bucket.stepped = True
+    opt.events.record("step_end", bucket.index)
+
+
+def upload_final(opt: "AdamW", bucket: FlatBucket) -> None:
+    """Separate host master: upload ``bucket`` as soon as its step is final (committed, redone, stepped
+    now, rolled back by the inverse), so its copy overlaps the rest of ``step()`` and the next forward.
+    ZeRO: not yet; only this rank's window is new until the all-gather (``_upload`` after it)."""
+    if bucket.dirty and opt._sharding is None:
+        bucket.upload()

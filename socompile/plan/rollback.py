@@ -1,0 +1,52 @@
+"""Decision 5 of the planner (planner.py): the rollback mode of each CPU bucket, from the plan's host memory.
+
+Ping-pong (an exact rollback: a second copy of the optimizer state) while host memory allows; else the algebraic
+inverse (one copy), largest CPU buckets first, until the plan fits the host.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..options import Options
+from ..units import human_bytes
+from .memory import HostLayout, host_memory, padded_numels
+from .search_state import HOST_HEADROOM, PlanError, _Context
+
+
+def _host(ctx: _Context, buckets):
+    """Host memory of a plan over ``buckets`` (plan/memory.py host_memory): (total, pinned, parts)."""
+    return host_memory(buckets, ctx.weight_bytes, ctx.world, int(ctx.offloaded_bytes),
+                       padded_numels(buckets, ctx.ir), host_layout(ctx.options, ctx.weight_bytes), ctx.weight_dtype)
+
+
+def host_layout(options: Options, weight_bytes: int) -> HostLayout:
+    """The host layout the runtime of ``options.runtime`` will use: the CPU runtime pins nothing and fp32
+    parameters share the master; any other runtime (a GPU target's CUDA, or the emulated one) pins what crosses
+    the link. Gradient accumulation is the optimizer's argument, unknown here: its stage is not counted."""
+    if options.runtime == "cpu":
+        return HostLayout(pins=False, shared_master=weight_bytes == 4)
+    return HostLayout()
+
+
+def rollback_modes(ctx: _Context, buckets, decisions: list[str]):
+    """``buckets`` with their rollback modes (ping-pong, else the algebraic inverse where host memory is short),
+    and the plan's host memory: (buckets, total bytes, pinned bytes, bytes by purpose)."""
+    limit = ctx.hw.host_memory * HOST_HEADROOM
+    total, pinned, parts = _host(ctx, buckets)
+    if total <= limit:
+        return buckets, total, pinned, parts
+    # Drop ping-pong copies, largest-numel CPU buckets first (ties: index), until host memory fits.
+    out = list(buckets)
+    for b in sorted((b for b in buckets if b.optimizer_site == "cpu"), key=lambda b: (-b.numel, b.index)):
+        out[b.index] = dataclasses.replace(b, rollback="inverse")
+        total, pinned, parts = _host(ctx, out)
+        if total <= limit:
+            break
+    inverse = sum(1 for b in out if b.rollback == "inverse")
+    decisions.append(f"rollback: {inverse} CPU bucket(s) use the algebraic inverse (host memory "
+                     f"{human_bytes(ctx.hw.host_memory)} too small for ping-pong state)")
+    if total > limit:
+        raise PlanError(f"host memory: the plan needs {human_bytes(total)} of host memory but {ctx.hw.name} has "
+                        f"{human_bytes(ctx.hw.host_memory)} (usable {human_bytes(limit)}); keep more buckets on the GPU "
+                        f"or use a machine with more host memory")
+    return out, total, pinned, parts
