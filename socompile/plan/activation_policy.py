@@ -189,9 +189,12 @@ class _AutoSearch:
 
     def candidates(self, count: int) -> list[dict[str, str]]:
         """Up to ``count`` distinct mixes, the cheapest by the estimate first (ties: more layers kept). Most
-        layers kept first; for each count, the most offloads that still fit (an offloaded layer frees its input
-        but the two-layer window costs device memory once, so fewer may fit better), then selective layers in
-        the room left. Stop once no fewer keeps can beat the ``count``-th cheapest found."""
+        layers kept first; for each count, every number of offloads that fits, most first (an offloaded layer
+        frees its input but the two-layer window costs device memory once, so fewer may fit better; and each
+        offload takes device room that selective layers and host room that checkpoints could use: at 1M tokens
+        no offloads and every layer selective, its checkpoints in host memory, costs a fifth of the most
+        offloads), each then given selective layers in the room left. Stop once no fewer keeps can beat the
+        ``count``-th cheapest found."""
         n = len(self.layers)
         found: list[tuple[float, int, dict[str, str]]] = []
         for n_keep in range(n - 1, -1, -1):
@@ -205,7 +208,6 @@ class _AutoSearch:
                     if all(trial != c for _, _, c in found):
                         found.append((self.spent(trial), -n_keep, trial))
                         found.sort(key=lambda f: f[:2])
-                    break
                 if "offload" not in trial.values():
                     break
         return [c for _, _, c in found[:count]] or [self.assign(0, 0)]
