@@ -177,11 +177,11 @@ def _auto_choices(ctx: _Context, layers: list, lcosts: _LayerCosts, available: f
 
 
 class _AutoSearch:
-    """For each number of kept layers (the last ones: their backward comes first), the most offloads that fit
+    """For each number of kept layers (the last ones: their backward comes first), each number of offloads that fits
     where offload is cheaper than recompute, then recomputed layers made selective while the device holds their
     attention outputs (most time saved per byte first), then the layers still recomputed made selective_offload
     where host memory holds their checkpoints (and back to selective where the device memory that frees allows);
-    of these candidates the one with the least recompute/offload time wins (ties: more layers kept)."""
+    candidates() ranks these by the least recompute/offload time (ties: more layers kept)."""
 
     def __init__(self, ctx: _Context, layers: list, lcosts: _LayerCosts, available: float, room: float):
         self.ctx, self.layers, self.costs, self.available, self.room = ctx, layers, lcosts, available, room

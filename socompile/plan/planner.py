@@ -11,7 +11,8 @@ Decisions, in this order (each reads the cost model; docs/planner.md explains th
    ZeRO-sharded optimizer state / (dp*sp)); collectives are simulated on the profile's interconnect.
 3. Activations per repeated layer (keep / recompute / selective / offload, ``activation_policy.py``): keep what
    fits, offload where the link hides under compute and host memory allows, recompute the rest (all but the
-   attention kernels where the device holds their outputs, "selective"), the cheapest such mix.
+   attention kernels where the device holds their outputs, "selective"); of the mixes cheapest by a per-layer
+   estimate, the one with the fastest simulated step.
 4. GPU-resident buckets and weight flow, jointly: for each candidate count K of GPU-resident buckets (the last
    K, whose gradients arrive last), make memory fit by streaming the CPU buckets whose transfers hide best
    (``t_compute(reads) / t_transfer`` highest first), give each flow bucket the prefetch distance that hides its
