@@ -56,8 +56,8 @@ def _layer_costs(ctx: _Context, layers: list) -> _LayerCosts:
     sel_cost = {lc.name: max(0.0, lc.fw_time - lc.attention_time) + a2a.get(lc.name, 0.0) for lc in layers}
     off_cost, link = {}, {}
     for i, lc in enumerate(layers):
-        out_t = float(cost.transfer_time(lc.saved, "d2h"))
-        in_t = float(cost.transfer_time(lc.saved, "h2d"))
+        out_t = float(cost.transfer_time(lc.moved, "d2h"))
+        in_t = float(cost.transfer_time(lc.moved, "h2d"))
         hide_fw = layers[i + 1].fw_time if i + 1 < n else 0.0
         hide_bw = layers[i + 1].bw_time if i + 1 < n else 0.0
         link[lc.name] = (out_t, in_t, hide_fw, hide_bw)
@@ -139,7 +139,7 @@ def _pinned_choices(ctx: _Context, layers: list) -> dict[str, str]:
 def _forced_choices(ctx: _Context, layers: list, forced: str, room: float) -> dict[str, str]:
     """options.activations names one choice for every layer; an offload must fit host memory."""
     if forced in ("offload", X):
-        need = sum(lc.saved if forced == "offload" else _checkpoint_bytes(lc) for lc in layers)
+        need = sum(lc.moved if forced == "offload" else _checkpoint_bytes(lc) for lc in layers)
         if need > room:
             raise PlanError(f"activations={forced!r} needs {human_bytes(need)} of host memory for the saved "
                             f"activations of {len(layers)} layers but only {human_bytes(room)} is left after the "
@@ -185,7 +185,7 @@ class _AutoSearch:
 
     def __init__(self, ctx: _Context, layers: list, lcosts: _LayerCosts, available: float, room: float):
         self.ctx, self.layers, self.costs, self.available, self.room = ctx, layers, lcosts, available, room
-        self.max_offloads = sum(1 for _ in _prefix_within(sorted(lc.saved for lc in layers), room))
+        self.max_offloads = sum(1 for _ in _prefix_within(sorted(lc.moved for lc in layers), room))
 
     def candidates(self, count: int) -> list[dict[str, str]]:
         """Up to ``count`` distinct mixes, the cheapest by the estimate first (ties: more layers kept). Most
@@ -221,9 +221,9 @@ class _AutoSearch:
                                                              layers.index(lc)))
         used, count = 0.0, 0
         for lc in others:
-            if off_cost[lc.name] < rec_cost[lc.name] and used + lc.saved <= self.room and count < max_offload:
+            if off_cost[lc.name] < rec_cost[lc.name] and used + lc.moved <= self.room and count < max_offload:
                 choice[lc.name] = "offload"
-                used += lc.saved
+                used += lc.moved
                 count += 1
             else:
                 choice[lc.name] = "recompute"
@@ -250,7 +250,7 @@ class _AutoSearch:
         selective again (the same time, no link traffic, no host memory). Unchanged if it would not fit."""
         layers, rec_cost, sel_cost, ck_cost = (self.layers, self.costs.recompute, self.costs.selective,
                                                self.costs.selective_offload)
-        used = sum(lc.saved for lc in layers if choice[lc.name] == "offload")
+        used = sum(lc.moved for lc in layers if choice[lc.name] == "offload")
         out = dict(choice)
         for lc in layers:
             if out[lc.name] == "recompute" and ck_cost[lc.name] < rec_cost[lc.name] and \
@@ -347,7 +347,7 @@ def _activation_bytes(ctx: _Context, chosen: dict[str, str]) -> tuple[float, obj
         expr = sum(terms)
     else:
         expr = sympy.expand(sympy.Add(*[sympy.sympify(t) for t in terms]))
-    return value(terms), expr, float(sum(lc.saved for lc in offloaded) + sum(_checkpoint_bytes(lc) for lc in to_host))
+    return value(terms), expr, float(sum(lc.moved for lc in offloaded) + sum(_checkpoint_bytes(lc) for lc in to_host))
 
 
 def _host_room(ctx: _Context, base) -> float:
@@ -401,11 +401,11 @@ def _pinned_text(ctx, room) -> str:
 
 
 def _offload_reason(group, ctx, lcosts: _LayerCosts, room, forced) -> str:
-    lc = max(group, key=lambda x: x.saved)   # the largest layer: its link times are the longest
+    lc = max(group, key=lambda x: x.moved)   # the largest layer: its link times are the longest
     out_t, in_t, hide_fw, hide_bw = lcosts.link[lc.name]
     link = f"{_ms(out_t)} out under {_ms(hide_fw)} of forward, {_ms(in_t)} in under {_ms(hide_bw)} of backward"
     exposed = f"{_ms(lcosts.offload[lc.name])} exposed vs {_ms(lcosts.recompute[lc.name])} to recompute"
-    return f"{human_bytes(lc.saved)} each way per layer, {link}: {exposed}; {_pinned_text(ctx, room)}"
+    return f"{human_bytes(lc.moved)} each way per layer, {link}: {exposed}; {_pinned_text(ctx, room)}"
 
 
 def _selective_reason(group, ctx, lcosts: _LayerCosts, room, forced) -> str:
@@ -427,7 +427,7 @@ def _recompute_reason(group, ctx, lcosts: _LayerCosts, room, forced) -> str:
     lc = group[0]
     rec, off, sel = lcosts.recompute[lc.name], lcosts.offload[lc.name], lcosts.selective[lc.name]
     why = ("options.activations='recompute'" if forced == "recompute" else
-           "host memory for offload used up" if off < rec and room < lc.saved + ctx.offloaded_bytes else
+           "host memory for offload used up" if off < rec and room < lc.moved + ctx.offloaded_bytes else
            f"offload is cheaper but its two-layer window ({human_bytes(2 * lc.saved)}) does not fit the device "
            f"beside the other layers' inputs" if off < rec else
            f"offload would expose {_ms(off)} > {_ms(rec)}")
