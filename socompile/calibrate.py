@@ -219,7 +219,7 @@ def measure_bucket_overhead(tensors: int = 16, numel: int = 2**14, repeats: int 
     buckets of one tensor (C); B - A is ``tensors - 1`` extra tensors, C - B ``tensors - 1`` extra buckets."""
     import torch
 
-    from .ops import optimizer_ops  # noqa: F401  (registers torch.ops.socompile.bucket_grads_ready)
+    from .ops.optimizer_ops import bucket_grads_ready   # torch.ops.socompile.bucket_grads_ready, as graphs call it
     from .optim.adamw import AdamW
 
     def seconds_per_step(buckets: int, per_bucket: int) -> float:
@@ -232,7 +232,7 @@ def measure_bucket_overhead(tensors: int = 16, numel: int = 2**14, repeats: int 
         def run():
             for _ in range(repeats):
                 for b, gs in enumerate(grads):
-                    torch.ops.socompile.bucket_grads_ready(gs, [], claim.handle, b, list(range(len(gs))))
+                    bucket_grads_ready(gs, [], claim.handle, b, list(range(len(gs))))
                 opt.step()
                 opt.zero_grad()
         return _best_of(run, 3, clock) / repeats
@@ -248,7 +248,7 @@ def measure_weight_fetch_overhead(link_latency: float, repeats: int = 50, clock=
     OffloadRuntime over a hand-built one-bucket plan, through the ops the compiled graph calls."""
     import torch
 
-    from .ops import offload_ops  # noqa: F401  (registers torch.ops.socompile's weight-flow ops)
+    from .ops.offload_ops import prefetch, release, wait_weights   # torch.ops.socompile's, as graphs call them
     from .plan.plan import BucketPlan, Plan
     from .runtime.device import CPURuntime
     from .runtime.flat_bucket import FlatBucket
@@ -259,13 +259,12 @@ def measure_weight_fetch_overhead(link_latency: float, repeats: int = 50, clock=
                                     ready_after="bw:w", ready_position=0, weight_mode="flow", prefetch_distance=1),))
     device = CPURuntime()
     runtime = OffloadRuntime(plan, [bucket], device)
-    ops = torch.ops.socompile
 
     def run():
         for _ in range(repeats):
-            ticket = ops.prefetch(runtime.handle, "fw", 0)
-            weights = ops.wait_weights(runtime.handle, "fw", 0, 16, torch.float32, device.device, ticket)
-            ops.release(runtime.handle, "fw", 0, [weights])
+            ticket = prefetch(runtime.handle, "fw", 0)
+            weights = wait_weights(runtime.handle, "fw", 0, 16, torch.float32, device.device, ticket)
+            release(runtime.handle, "fw", 0, [weights])
     try:
         return max(0.0, _best_of(run, 3, clock) / repeats - link_latency)
     finally:
