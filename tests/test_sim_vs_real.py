@@ -51,3 +51,27 @@ def test_the_loss_is_compiled_into_the_graph_the_simulator_replays():
         fw = backend.compiled[0].forward_graph
         assert any("nll_loss" in str(n.target) for n in fw.graph.nodes)
     torch._dynamo.reset()
+
+
+def test_the_per_op_tool_times_each_op_of_one_step_against_the_simulators_nodes(capsys, tmp_path):
+    """bench/sim_vs_real_ops.py: one step's aten ops, timed per op class, beside the simulator's nodes. Every
+    matmul of the step is a node of the compiled graphs (the optimizer's kernel is not aten), so the measured
+    and simulated matmul counts are equal; the last line gives the step, the ops' share and the simulation."""
+    from socompile.hardware.profiles import PROFILES, save_profile
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "sim_vs_real_ops.py"
+    spec = importlib.util.spec_from_file_location("bench_sim_vs_real_ops", path)
+    tool = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = tool
+    spec.loader.exec_module(tool)
+    import dataclasses
+    # no calibration (a fast smoke test), but CPU-like rates: a step of milliseconds, as the tool prints them
+    cpu_like = dataclasses.replace(PROFILES["gh200"], device_is_host=True, device_op_latency=5e-6,
+                                   device_bf16_flops=1e11, device_bandwidth=3e10)
+    target = str(save_profile(cpu_like, tmp_path / "cpu-like.json"))
+    assert tool.main(["--batch", "2", "--seq", "32", "--layers", "1", "--warmup", "1", "--target", target]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    mm = next(line.split() for line in lines if line.startswith("aten.mm "))
+    assert int(mm[1]) == int(mm[3]) > 0 and float(mm[2]) > 0
+    total = re.fullmatch(r"# step ([0-9.]+) ms on the thread clock, of which ops ([0-9.]+) ms \(\d+ calls\); "
+                         r"simulated nodes [0-9.]+ ms, simulated step ([0-9.]+) ms", lines[-1])
+    assert total and 0 < float(total.group(2)) <= float(total.group(1)) and float(total.group(3)) > 0
