@@ -8,8 +8,11 @@ What is measured, and how:
   "device" is this CPU (DESIGN section 5), so a copy between two host buffers.
 Device FLOP/s is measured as a bf16 and an fp32 matmul on the device (on a CPU this is slow and is what the
 plan gets; fp32 models compute at the fp32 rate, a third of bf16 on this AVX512-BF16 CPU). On a CPU "device"
-also: the attention kernels' FLOP/s per direction, dtype and query shape, and elementwise bytes/s per dtype
-(``device_kernel_rates``; measure_kernel_rates says what and why).
+also: the attention kernels' FLOP/s per direction, dtype and query shape, elementwise bytes/s per dtype
+(``device_kernel_rates``; measure_kernel_rates says what and why) and elements/s per elementwise family
+(measure_elementwise_rates). The runtime's own work, which a CPU "device" pays on the cores that compute: per
+bucket step and per gradient tensor (measure_bucket_overhead, any machine), per flow fetch
+(measure_weight_fetch_overhead) and per offloaded activation.
 """
 from __future__ import annotations
 
