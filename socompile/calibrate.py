@@ -108,7 +108,8 @@ def measure_adam_bandwidth(numel: int, repeats: int = 3, clock=time.perf_counter
     return numel * ADAM_BYTES_FP32_GRAD / seconds, kind
 
 
-def measure_matmul_flops(n: int, device: str = "cpu", repeats: int = MATMUL_REPEATS, dtype=None, clock=time.perf_counter) -> float:
+def measure_matmul_flops(n: int, device: str = "cpu", repeats: int = MATMUL_REPEATS, dtype=None,
+                         clock=time.perf_counter) -> float:
     import torch
     dtype = dtype or torch.bfloat16
     a = torch.randn(n, n, device=device).to(dtype)
