@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# One-GPU check of socompile, for a machine with torch 2.11+ (CUDA) and no network; expected 4-6 minutes,
-# at most 8 (each stage under its own timeout: build 120 s, tests 150 s, step times 200 s).
+# One-GPU check of socompile, for a machine with torch 2.11+ (CUDA) and no network; expected 3-5 minutes,
+# at most 10 (each stage under its own timeout: build 120 s, tests 240 s, step times 240 s).
 #   bench/gpu_check.sh            (uses `python`; PY=/path/to/python to choose)
 # 1. environment: torch >= 2.11 with a visible GPU; 2. builds the CPU Adam kernel from source (no downloads);
 # 3. runs the CUDA tests (and the runtime tests whose CUDA logic is checked on the CPU), including offloaded
 #    training on the GPU against the eager reference (tests/test_device_mirror.py -k cuda: fp32 and bf16 models,
-#    stationary / flow / GPU-stepped buckets, clipping);
+#    stationary / flow / GPU-stepped buckets, clipping) and the host-memory and link-traffic ledgers against the
+#    plan for every single-GPU plan shape (tests/test_host_memory.py -k cuda);
 # 4. times a step of a 4-layer llama-1b (0.37B; the layer count keeps the three Inductor compiles short) without
 #    offload (Inductor + fused AdamW on the GPU) and with socompile (bf16 weights, then fp32 weights under bf16
 #    autocast), plus the runtime's copy stream (pinned h2d bandwidth and overlap with compute).
-# Written without a GPU at hand: checked by reading, never run (see docs/runtime.md). Exit 1 when any assertion of
+# First run on an H200 on 2026-12-04 (docs/runtime.md, "On a GPU" has its output and what it found). Exit 1 when any assertion of
 # bench/gpu_step.py fails (copy time hidden under compute, equality with eager, the loss falls, device peak
 # within 10% of the plan), or a test fails.
 set -uo pipefail
@@ -47,8 +48,9 @@ $PY -m socompile doctor || true
 
 section "CUDA tests"
 if $PY -c "import pytest" 2>/dev/null; then
-    timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_runtime_cuda.py tests/test_runtime_device.py \
-        tests/test_runtime_device_adam.py "tests/test_device_mirror.py" -k "cuda or not test_device_mirror" \
+    timeout 240 $PY -m pytest -q -p no:cacheprovider tests/test_runtime_cuda.py tests/test_runtime_device.py \
+        tests/test_runtime_device_adam.py "tests/test_device_mirror.py" tests/test_host_memory.py \
+        -k "cuda or not (test_device_mirror or test_host_memory)" \
         || STATUS=1
 else
     echo "pytest is not installed in this environment (no network to install it): CUDA tests skipped"
@@ -56,8 +58,10 @@ else
 fi
 
 section "step time, llama-1b with 4 layers, one GPU"
-timeout 200 $PY bench/gpu_step.py --preset llama-1b --layers 4 --batch 2 --seq 1024 --steps 6 --warmup 2 \
-    --offload-dtype both || STATUS=1
+# GPU_STEP_TARGET: the profile the plans are made for and simulated on (e.g. a file from `socompile calibrate`
+# on this machine, for simulated vs measured step times); default gh200.
+timeout 240 $PY bench/gpu_step.py --preset llama-1b --layers 4 --batch 2 --seq 1024 --steps 6 --warmup 2 \
+    --offload-dtype both --target "${GPU_STEP_TARGET:-gh200}" || STATUS=1
 
 section "done in $((SECONDS - START)) s, status $STATUS"
 exit $STATUS

@@ -34,7 +34,7 @@ import torch._dynamo
 import torch.nn.functional as F
 
 import socompile
-from socompile.models import build
+from socompile.models import WithLMLoss, build
 from socompile.models.llama import PRESETS
 from socompile.runtime.device import CUDARuntime
 
@@ -122,8 +122,7 @@ def time_steps(model, opt, data, steps: int, warmup: int, losses: list | None = 
         torch.cuda.synchronize()
         t = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16):   # a no-op for a bf16 model's own weights
-            out = model(x)
-        loss = F.cross_entropy(out.float().flatten(0, 1), y.flatten())
+            loss = model(x, y)   # WithLMLoss: the loss is in the compiled graph, so the plan counts its memory
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -132,12 +131,17 @@ def time_steps(model, opt, data, steps: int, warmup: int, losses: list | None = 
             losses.append(loss.item())
         if i >= warmup:
             times.append(time.perf_counter() - t)
+        if i + 1 == warmup:   # the peak of the timed steps: not the compile's (Inductor's autotuning, or a
+            #                   this-machine calibration run by the first plan: 132% of the plan on the H200)
+            torch.cuda.reset_peak_memory_stats()
     return sorted(times)[len(times) // 2]
 
 
-def offload_case(args, overrides: dict, data, dtype: torch.dtype) -> None:
-    """socompile on the GPU: the real path (model on the GPU, separate host master, uploads per bucket)."""
+def offload_case(args, overrides: dict, data, dtype: torch.dtype, compute: str = "inductor") -> None:
+    """socompile on the GPU: the real path (model on the GPU, separate host master, uploads per bucket).
+    ``compute``: the backend's compiler of the forward/backward ('eager' runs the graph's aten ops one by one)."""
     name = {torch.bfloat16: "bf16 weights", torch.float32: "fp32 weights + bf16 autocast"}[dtype]
+    name += "" if compute == "inductor" else f", {compute} compute"
     torch._dynamo.reset()     # a fresh compile with this backend (no guards of the previous case's compile)
     torch.manual_seed(0)
     model = build(args.preset, **overrides).to(device="cuda", dtype=dtype)
@@ -146,8 +150,10 @@ def offload_case(args, overrides: dict, data, dtype: torch.dtype) -> None:
     if opt.host_master != "separate":
         raise RuntimeError(f"socompile.AdamW chose host_master={opt.host_master!r} for CUDA parameters")
     pins = {} if args.gpu_buckets < 0 else {"gpu_buckets": args.gpu_buckets}
-    backend = socompile.SuperOffload(target=args.target, bucket_size=args.bucket_size, **pins)
-    cmodel = torch.compile(model, backend=backend)
+    backend = socompile.SuperOffload(target=args.target, bucket_size=args.bucket_size, compute=compute, **pins)
+    # The loss is compiled with the model: a loss computed outside the graph holds ~3 fp32 copies of the logits
+    # (0.7 GiB here) that the plan cannot see (the first GPU run measured 128% of the plan that way).
+    cmodel = torch.compile(WithLMLoss(model), backend=backend)
     torch.cuda.reset_peak_memory_stats()
     losses: list[float] = []
     t = time_steps(cmodel, opt, data, args.steps, args.warmup, losses)
@@ -164,6 +170,11 @@ def offload_case(args, overrides: dict, data, dtype: torch.dtype) -> None:
         print(f"  plan: {len(sites)} buckets, {sites.count('cpu')} stepped on the CPU, {sites.count('device')} on "
               f"the GPU, {modes.count('flow')} flowing; runtime device peak {ledger['peak'] / 2**30:.2f} GiB "
               f"{ {k: round(v / 2**30, 2) for k, v in ledger['peak_parts'].items()} }")
+        sim = ctx.plan.prediction("step_time_s")
+        print(f"  simulated step on the '{args.target}' profile: {sim * 1e3:.1f} ms (simulated: the profile's "
+              f"rates, the plan's buckets), measured {t * 1e3:.1f} ms, sim/real {sim / t:.2f}; simulated CPU Adam "
+              f"busy {ctx.plan.prediction('cpu_adam_busy_s') * 1e3:.1f} ms, d2h link busy "
+              f"{ctx.plan.prediction('link_d2h_busy_s') * 1e3:.1f} ms")
     pinned = sum(t.numel() * t.element_size() for b in opt.buckets if b.site == "cpu"
                  for t in (b.master, b.grad, b.exp_avg, b.exp_avg_sq))
     print(f"  host: {pinned / 2**30:.1f} GiB of pinned fp32 master/gradients/moments; losses "
@@ -175,9 +186,16 @@ def offload_case(args, overrides: dict, data, dtype: torch.dtype) -> None:
     predicted = ctx.plan.prediction("device_peak_bytes") if ctx is not None and ctx.plan is not None else None
     check(predicted is not None, "the plan predicts the device peak")
     ratio = peak / predicted
-    check(abs(ratio - 1) <= PEAK_TOLERANCE,
-          f"measured device peak {peak / 2**30:.2f} GiB is {ratio:.0%} of the plan's prediction "
-          f"{predicted / 2**30:.2f} GiB (within {PEAK_TOLERANCE:.0%})")
+    if compute == "eager":
+        check(abs(ratio - 1) <= PEAK_TOLERANCE,
+              f"measured device peak {peak / 2**30:.2f} GiB is {ratio:.0%} of the plan's prediction "
+              f"{predicted / 2**30:.2f} GiB (within {PEAK_TOLERANCE:.0%})")
+    else:   # the plan frees each aten op's output after its last use, as eager runs the graph; Inductor fuses
+        #     intermediates away (never adds a saved tensor: both run the same partitioned graphs), so the plan is
+        #     an upper bound (the first H200 run measured 74-77% of it)
+        check(ratio <= 1 + PEAK_TOLERANCE,
+              f"measured device peak {peak / 2**30:.2f} GiB is {ratio:.0%} of the plan's prediction "
+              f"{predicted / 2**30:.2f} GiB (Inductor: at most {1 + PEAK_TOLERANCE:.0%})")
 
 
 def guarded(what: str, fn, failures: list) -> None:
@@ -239,7 +257,7 @@ def main() -> None:
         n = sum(p.numel() for p in model.parameters())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         torch.cuda.reset_peak_memory_stats()
-        t = time_steps(torch.compile(model), opt, data, args.steps, args.warmup)
+        t = time_steps(torch.compile(WithLMLoss(model)), opt, data, args.steps, args.warmup)
         print(f"without offload ({n / 1e9:.2f}B params, fp32 master + bf16 autocast, Inductor + fused AdamW on the "
               f"GPU): {t * 1e3:.1f} ms/step, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
 
@@ -248,6 +266,9 @@ def main() -> None:
     dtypes = {"bf16": [torch.bfloat16], "fp32": [torch.float32], "both": [torch.bfloat16, torch.float32]}
     for dtype in dtypes[args.offload_dtype]:
         guarded(f"with offload ({dtype})", lambda dtype=dtype: offload_case(args, overrides, data, dtype), failures)
+    # eager compute: the device peak as the plan counts it (each aten op's output freed after its last use)
+    guarded("with offload (bf16, eager compute)",
+            lambda: offload_case(args, overrides, data, torch.bfloat16, "eager"), failures)
     if failures:
         print(f"gpu_step: {len(failures)} failed: {', '.join(failures)}")
         sys.exit(1)

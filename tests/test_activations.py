@@ -20,7 +20,8 @@ import socompile
 from socompile.models import build
 from socompile.passes import activations
 from socompile.passes.table import graph_problems
-from socompile.passes.layers import layer_of, module_path
+from socompile.capture.module_stack import module_path
+from socompile.passes.layers import layer_of
 from socompile.runtime.activation_offload import IN_FLIGHT, ActivationOffloadRuntime, offloadable
 from socompile.runtime.device import CPURuntime, CUDARuntime
 from training_helpers import assert_same_params, batches, lm_loss, run_pair

@@ -752,7 +752,11 @@ def test_cuda_model_trains_like_the_eager_reference(dtype, case):
     assert opt.host_master == "separate"
     for bucket in opt.buckets:
         if bucket.site == "cpu":
-            assert bucket.master.is_pinned() and bucket.grad.is_pinned() and not bucket.master.is_cuda
+            # The master is pinned where copies read it (fp32 weights); bf16 weights go up from a pinned bf16
+            # stage, so their master stays pageable (docs/runtime.md, host memory), as the plan counts it.
+            assert bucket.master.is_pinned() == bucket.master_crosses() and not bucket.master.is_cuda
+            assert bucket.grad.is_pinned()
+            assert bucket._stage16 is None or bucket._stage16.is_pinned()
             assert bucket.weights.is_cuda and bucket.weights.dtype == dtype
         else:
             assert bucket.master.is_cuda
@@ -763,7 +767,10 @@ def test_cuda_model_trains_like_the_eager_reference(dtype, case):
         for p, q in zip(ours.parameters(), ref.parameters()):
             assert p.is_cuda and p.dtype == dtype
             d = (p.float() - q.float()).abs()
-            bound = q.float().abs() * 2.0 ** -6 + 1e-6 if dtype == torch.bfloat16 else torch.full_like(d, 1e-4)
+            # bf16: the masters agree within 1e-4 (above); two such masters round to bf16 values at most 1e-4
+            # plus one bf16 ulp (2^-7 of the value) apart: 2^-6 leaves a factor 2. (A bound of 1e-6 absolute
+            # failed on the H200: reduction order moves a master by up to ~1e-4, see the master check.)
+            bound = q.float().abs() * 2.0 ** -6 + 1e-4 if dtype == torch.bfloat16 else torch.full_like(d, 1e-4)
             assert (d <= bound).all()
             assert (d > 1e-6).float().mean() <= 0.01
     assert_runtime_as_planned(backend.compiled[0])

@@ -21,6 +21,22 @@ def test_views_cost_nothing():
     assert CostModel(PROFILES["gh200"]).node_time("free", 10**12, 10**12) == 0
 
 
+def test_unsafe_view_costs_nothing_like_a_view():
+    """AOTAutograd reshapes each matmul's output with aten._unsafe_view, which the IR does not mark a view (it
+    declares no alias): the graph's analysis charges it no time, as it does a view, where it used to charge its
+    bytes at HBM bandwidth."""
+    from test_plan_helpers import traced
+    from socompile.perf.analysis import analyze
+    assert op_class("aten._unsafe_view.default") == "free"
+    assert op_class("aten._unsafe_view.out") == "memory"     # the .out overload writes a copy
+    ir = traced(bf16=True)
+    costs = analyze(ir, CostModel(PROFILES["gh200"], ir.symbol_values))
+    for order, times in ((ir.fw_order, costs.fw_times), (ir.bw_order, costs.bw_times)):
+        reshapes = [i for i, k in enumerate(order) if ir.graph.nodes[k]["op"] == "aten._unsafe_view.default"]
+        assert reshapes and not any(ir.graph.nodes[order[i]]["is_view"] for i in reshapes)
+        assert [times[i] for i in reshapes] == [0.0] * len(reshapes)
+
+
 def test_node_time_is_a_formula_of_symbolic_shapes_evaluated_at_given_shapes():
     b, s = sympy.symbols("b s", integer=True, positive=True)
     cost = CostModel(PROFILES["gh200"], {"b": 4, "s": 4096})

@@ -144,3 +144,23 @@ def test_measured_kernel_rates_round_trip_through_a_profile_file_and_bad_entries
     (tmp_path / "bad.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="device_kernel_rates entry .* kernel, dtype, rate"):
         load_profile(tmp_path / "bad.json")
+
+
+def test_calibration_streams_from_memory_past_the_last_level_cache(tmp_path):
+    """Two CPUs with their own L2 sharing one L3, and two more on a second L3: the last level counts each
+    distinct cache once, and calibration's working sets are at least 4x it (a quick calibration's 64 MB fitted
+    in a 16-core server's caches and measured CPU Adam at cache speed)."""
+    from socompile import calibrate as cal
+
+    def cache(cpu, index, level, size, shared):
+        d = tmp_path / f"cpu{cpu}" / "cache" / f"index{index}"
+        d.mkdir(parents=True)
+        for name, value in (("level", level), ("size", size), ("shared_cpu_list", shared)):
+            (d / name).write_text(f"{value}\n")
+
+    for cpu in range(4):
+        cache(cpu, 2, 2, "1024K", str(cpu))
+        cache(cpu, 3, 3, "32768K", "0-1" if cpu < 2 else "2-3")
+    assert cal.last_level_cache_bytes(str(tmp_path)) == 2 * 32 * 2**20
+    assert cal.last_level_cache_bytes(str(tmp_path / "missing")) == 0
+    assert cal.streaming_bytes(64 * 2**20) >= max(64 * 2**20, 4 * cal.last_level_cache_bytes())

@@ -5,8 +5,8 @@ Nodes are keyed ``"fw:<name>"`` / ``"bw:<name>"`` and carry:
 ``phase``, ``order`` (execution index within its phase), ``op`` (target as text), ``bytes`` and ``flops``
 (plain ``int`` when static, sympy when symbolic; see capture/sizes.py), ``is_view``, ``alias_of`` (the
 parameter this node is, or is a view of, else None),
-``reads_params`` (names of parameters the node reads, directly or through a view), and
-``stack_trace``. Edges are data dependencies.
+``reads_params`` (names of parameters the node reads, directly or through a view), ``modules`` (the module
+paths of its ``nn_module_stack``, outermost first; () when traced without Dynamo) and ``stack_trace``. Edges are data dependencies.
 
 NOTE: saved views of parameters. The partitioners save ``aten.t(primals_k)``-style views of weights for the
 backward. Such a view keeps the weight alive and reads its storage, so we treat it as an alias of the
@@ -21,6 +21,7 @@ import sympy
 import torch
 from torch import fx
 
+from .module_stack import module_paths
 from .params import ParamInfo
 from .sizes import attention_dims, free_symbols, node_flops, shape_env_values, tensor_bytes, value_dtype
 
@@ -91,7 +92,8 @@ def _add_phase(g: nx.DiGraph, gm: fx.GraphModule, phase: str, alias: dict[str, s
                    kind=node.op, is_view=_is_view(node), alias_of=local_alias.get(node.name),
                    bytes=tensor_bytes(node.meta.get("val")), flops=node_flops(node),
                    dtype=value_dtype(node.meta.get("val")), attention_dims=attention_dims(node),
-                   reads_params=tuple(sorted(reads)), stack_trace=node.meta.get("stack_trace"))
+                   reads_params=tuple(sorted(reads)), modules=module_paths(node),
+                   stack_trace=node.meta.get("stack_trace"))
         for inp in node.all_input_nodes:
             g.add_edge(f"{phase}:{inp.name}", key)
     return order, readers, local_alias

@@ -2,30 +2,13 @@
 passes (recompute tags in activations.py, offload in activation_offload.py)."""
 from __future__ import annotations
 
-import re
-
 from torch import fx
 
+from ..capture.module_stack import innermost_layer, module_paths
 from ..options import OFFLOADED_CHOICES as OFFLOADED  # noqa: F401  (re-exported for the activation passes)
-
-_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
-_ITEM = re.compile(r"(?:\.?_modules)?\[['\"]?([^'\"\]]+)['\"]?\]")
-
-
-def module_path(path: str) -> str:
-    """Dynamo's module path as a parameter-name prefix: "L['self'].layers.0.attn" -> "layers.0.attn";
-    "L['self']._modules['layers']._modules['0']" -> "layers.0"."""
-    path = _PREFIX.sub("", path)
-    return _ITEM.sub(lambda m: "." + m.group(1), path).strip(".")
 
 
 def layer_of(node: fx.Node, layers) -> str | None:
-    """The layer group (one of ``layers``) whose module produced ``node``, from its ``nn_module_stack``."""
-    stack = node.meta.get("nn_module_stack") or {}
-    found = None
-    for value in stack.values():
-        path = module_path(value[0] if isinstance(value, tuple) else str(value))
-        for layer in layers:
-            if path == layer or path.startswith(layer + "."):
-                found = layer        # innermost match wins (the stack is outermost first)
-    return found
+    """The layer group (one of ``layers``) whose module produced ``node``, from its ``nn_module_stack``
+    (innermost match wins; the stack is outermost first)."""
+    return innermost_layer(module_paths(node), layers)

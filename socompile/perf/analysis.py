@@ -19,8 +19,9 @@ import re
 import sympy
 import torch
 
+from ..capture.module_stack import innermost_layer
 from ..capture.ir import IR
-from .cost import CostModel, op_class
+from .cost import RESHAPE_OPS, CostModel, op_class
 
 _LAYER = re.compile(r"^(.*?\.\d+)\.")
 
@@ -56,7 +57,14 @@ class LayerCosts:
     # rsqrt, attention's logsumexp), so one dtype per layer would mislabel them.
     saved_by_dtype: tuple = ()
     selective_by_dtype: tuple = ()
-    saved_tensors: int = 0       # how many tensors ``saved`` is (an offload moves each one separately)
+    saved_tensors: int = 0       # how many tensors an offload moves (each one separately: one per saved output)
+
+    @property
+    def moved(self) -> float:
+        """Bytes an offload of the layer moves each way and holds in host memory: one copy per saved output, as
+        the runtime moves them. Two saved views of one tensor (CUDA's attention output, saved as a view and as
+        a detach) cross twice, where ``saved``, the device memory they free, counts the tensor once."""
+        return float(sum(b for _, b in self.saved_by_dtype)) if self.saved_by_dtype else self.saved
 
 
 @dataclasses.dataclass
@@ -147,8 +155,9 @@ def analyze(ir: IR, cost: CostModel, token_shard: int = 1) -> GraphCosts:
             data = nodes[key]
             call = data["kind"] == "call_function"
             cls = op_class(data["op"], data.get("is_view", False)) if call else "free"
-            if cls == "free":   # a view still dispatches (on a CPU "device"); placeholders and getitems do not
-                out.append(float(cost.view_time()) if call and data.get("is_view") else 0.0)
+            if cls == "free":   # a view or reshape still dispatches (on a CPU "device"); placeholders do not
+                dispatched = call and (data.get("is_view") or data["op"] in RESHAPE_OPS)
+                out.append(float(cost.view_time()) if dispatched else 0.0)
                 continue
             moved = cost.value(data["bytes"]) + sum(cost.value(nodes[p]["bytes"]) for p in g.predecessors(key))
             flops = cost.value(data["flops"])
@@ -267,6 +276,24 @@ def _liveness(ir: IR, cost: CostModel, weights: set[str]):
     return peak, expr, sequence[peak_pos], saved, first_bw, last
 
 
+def _saved_outputs(ir: IR, weights: set[str]) -> list[tuple[str, str]]:
+    """(saved output, the tensor it is or views) of each forward tensor handed to the backward, in backward
+    input order: what the activation offload pass moves, one copy each; views of weights and of graph inputs
+    stay where they are."""
+    g = ir.graph
+    out = []
+    for key in ir.bw_order:
+        saved = f"fw:{key[3:]}"
+        if g.nodes[key]["kind"] != "placeholder" or saved not in g:
+            continue
+        root = saved
+        while g.nodes[root].get("is_view") and list(g.predecessors(root)):
+            root = list(g.predecessors(root))[0]
+        if g.nodes[root]["kind"] != "placeholder" and root not in weights:
+            out.append((saved, root))
+    return out
+
+
 def _checkpoint_estimate(ir: IR, cost: CostModel, saved_roots: list[str], fw_times: list[float],
                          weights: set[str], first_bw_use: dict | None = None, last_use: dict | None = None,
                          bw_times: list[float] | None = None):
@@ -295,13 +322,25 @@ def _checkpoint_estimate(ir: IR, cost: CostModel, saved_roots: list[str], fw_tim
             layer_time[current] = layer_time.get(current, 0.0) + fw_times[i]
     per_layer: dict[str, list] = {}
     position = {k: i for i, k in enumerate(ir.fw_order)}
+    by_module = any(g.nodes[k].get("modules") for k in ir.fw_order)
+
+    def owner(r: str) -> str | None:
+        """The layer a saved tensor belongs to: its module's, as the activation passes read it (a norm's rsqrt
+        comes before its weight's first read); in graphs traced without Dynamo (plan reports) the layer of the
+        last weight read before it."""
+        return innermost_layer(g.nodes[r].get("modules", ()), boundary) if by_module else group_of_pos[position[r]]
+
+    moved: dict[str, list[str]] = {}   # layer -> the saved outputs an offload moves (passes/activation_offload.py)
+    for out, r in _saved_outputs(ir, weights):
+        group = innermost_layer(g.nodes[out].get("modules", ()), boundary) or owner(r) if by_module else owner(r)
+        if group in boundary:
+            moved.setdefault(group, []).append(out)
     for r in saved_roots:
-        group = group_of_pos[position[r]]
+        group = owner(r)
         if group in boundary:
             per_layer.setdefault(group, []).append(g.nodes[r]["bytes"])
     saved_per_layer = {k: _sum(v) for k, v in per_layer.items()}
-    not_in_layers = _sum(g.nodes[r]["bytes"] for r in saved_roots
-                         if group_of_pos[position[r]] not in boundary)
+    not_in_layers = _sum(g.nodes[r]["bytes"] for r in saved_roots if owner(r) not in boundary)
     kept = _sum([not_in_layers, *boundary.values()])
     def is_attention(key):
         data = g.nodes[key]
@@ -317,7 +356,7 @@ def _checkpoint_estimate(ir: IR, cost: CostModel, saved_roots: list[str], fw_tim
         bw_prefix.append(bw_prefix[-1] + t)
     for name in boundary:   # insertion order = forward order
         spots = [i for i, grp in enumerate(group_of_pos) if grp == name]
-        roots = [r for r in saved_roots if group_of_pos[position[r]] == name]
+        roots = [r for r in saved_roots if owner(r) == name]
         firsts = [first_bw_use[r] - n_fw for r in roots if first_bw_use and r in first_bw_use]
         lasts = [last_use[r] - n_fw for r in roots if last_use and r in last_use]
         bw_span = (min(firsts), max(lasts) + 1) if firsts and lasts else (0, 0)
@@ -331,6 +370,8 @@ def _checkpoint_estimate(ir: IR, cost: CostModel, saved_roots: list[str], fw_tim
                                  saved_expr=saved_per_layer.get(name, 0), boundary=cost.value(boundary[name]),
                                  boundary_expr=boundary[name], fw_time=layer_time.get(name, 0.0), bw_time=bw_time,
                                  attention_time=attn_time, attention_saved=cost.value(attn_expr),
-                                 attention_saved_expr=attn_expr, saved_by_dtype=_by_dtype(ir, cost, roots),
-                                 selective_by_dtype=_by_dtype(ir, cost, checkpoints), saved_tensors=len(roots)))
+                                 attention_saved_expr=attn_expr,
+                                 saved_by_dtype=_by_dtype(ir, cost, moved.get(name, ())),
+                                 selective_by_dtype=_by_dtype(ir, cost, checkpoints),
+                                 saved_tensors=len(moved.get(name, ()))))
     return kept, saved_per_layer, sum(layer_time.values()), layers

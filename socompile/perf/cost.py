@@ -37,6 +37,10 @@ EFFICIENCY = {"matmul": 0.70, "attention": 0.55, "memory": 0.80, "free": 1.0}
 NET_EFFICIENCY = 0.80
 MATMUL_OPS = ("aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "aten.convolution", "aten._scaled_mm")
 FREE_OPS = ("placeholder", "output", "<built-in function getitem>", "getitem")
+# Reshapes that launch no kernel though the IR does not mark them views: AOTAutograd emits
+# aten._unsafe_view after a matmul to reshape its fresh output, a view that declares no alias (so it is not
+# ``is_view``). Its .out overload writes a copy and is not here.
+RESHAPE_OPS = ("aten._unsafe_view.default",)
 # Elementwise families whose elements/s calibrate measures on a CPU "device" (KernelRate "elementwise_<family>"):
 # a binary op streams its operands; a math op's transcendental work can outlast its bytes; a reduction
 # accumulates along rows. Matched on the op's name without overload ("aten.silu_backward.default" ->
@@ -56,8 +60,8 @@ Size = "int | sympy.Expr"
 
 
 def op_class(op: str, is_view: bool = False) -> str:
-    """'matmul', 'attention', 'memory' (bandwidth-bound) or 'free' (views, placeholders: no kernel)."""
-    if is_view or op in FREE_OPS or op.endswith("getitem"):
+    """'matmul', 'attention', 'memory' (bandwidth-bound) or 'free' (views, reshapes, placeholders: no kernel)."""
+    if is_view or op in FREE_OPS or op in RESHAPE_OPS or op.endswith("getitem"):
         return "free"
     if op.startswith(MATMUL_OPS):
         return "matmul"

@@ -12,9 +12,15 @@ from ..dtypes import dtype_name
 from ..units import human_bytes
 from .memory import host_memory
 from .plan import ACTIVATION_CHOICES
+from .placement import simulated_step
 from .search_state import HOST_HEADROOM, PlanError, _compact_buckets, _Context, _device
 
 X = "selective_offload"
+# 'auto' simulates this many of its candidate mixes (the best by its estimate). Each costs one simulated step
+# (and a K=0 placement), about a tenth of a second on a 13B graph; 4 covers the mixes that differ in the few
+# layers where the estimate's per-layer sums and the simulated overlaps disagree, at less than half again the
+# planning time.
+SIMULATED_CANDIDATES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,10 +106,11 @@ def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
         return "none"
     available, room = _activation_room(ctx, base)
     lcosts = _layer_costs(ctx, layers)
+    simulated = ""
     if ctx.pinned_choices is not None:
         chosen, forced = _pinned_choices(ctx, layers), "pinned"
     elif forced == "auto":
-        chosen = _auto_choices(ctx, layers, lcosts, available, room)
+        chosen, simulated = _auto_choices(ctx, layers, lcosts, available, room, base)
     else:
         chosen = _forced_choices(ctx, layers, forced, room)
     chosen.update(pins)
@@ -114,7 +121,7 @@ def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
         return "none"
     ctx.activations, ctx.activations_expr, ctx.offloaded_bytes = act, expr, offloaded
     ctx.choices = tuple((lc.name, chosen[lc.name]) for lc in layers)
-    decisions.append(_activation_line(ctx, layers, chosen, lcosts, available, room, forced))
+    decisions.append(_activation_line(ctx, layers, chosen, lcosts, available, room, forced, simulated))
     return "layers"
 
 
@@ -141,48 +148,69 @@ def _forced_choices(ctx: _Context, layers: list, forced: str, room: float) -> di
     return {lc.name: forced for lc in layers}
 
 
-def _auto_choices(ctx: _Context, layers: list, lcosts: _LayerCosts, available: float, room: float) -> dict[str, str]:
-    """options.activations='auto': keep everything if it fits, else the cheapest candidate of _AutoSearch, unless
-    checkpointing saves nothing."""
-    chosen = {lc.name: "keep" for lc in layers}
-    if _activation_bytes(ctx, chosen)[0] > available:
-        chosen = _AutoSearch(ctx, layers, lcosts, available, room).cheapest()
-        if _activation_bytes(ctx, chosen)[0] >= ctx.costs.activation_peak:   # checkpointing saves nothing
-            chosen = {lc.name: "keep" for lc in layers}
-    return chosen
+def _auto_choices(ctx: _Context, layers: list, lcosts: _LayerCosts, available: float, room: float,
+                  base) -> tuple[dict[str, str], str]:
+    """options.activations='auto': keep everything if it fits; else, of _AutoSearch's candidate mixes that save
+    memory (checkpointing that saves nothing keeps everything), the best SIMULATED_CANDIDATES by the policy's
+    estimate are each replayed by the simulator (placement.simulated_step) and the fastest simulated step that
+    fits wins (ties: the better estimate). The estimate sums per-layer costs; the step overlaps them with the
+    link (weight flow and offloads share it), the CPU tail and each other, so its order can differ.
+    Returns (choices, what the decision line says of the simulation)."""
+    keep = {lc.name: "keep" for lc in layers}
+    if _activation_bytes(ctx, keep)[0] <= available:
+        return keep, ""
+    search = _AutoSearch(ctx, layers, lcosts, available, room)
+    found = [c for c in search.candidates(SIMULATED_CANDIDATES)
+             if _activation_bytes(ctx, c)[0] < ctx.costs.activation_peak]
+    if len(found) <= 1:   # nothing to compare: the GPU-bucket search simulates this one anyway
+        return (found[0] if found else keep), ""
+    order_cache: dict = {}
+    steps = [simulated_step(ctx, base, c, *_activation_bytes(ctx, c), order_cache) for c in found]
+    fits = [i for i, t in enumerate(steps) if t is not None]
+    if not fits:
+        return found[0], ""
+    best = min(fits, key=lambda i: (steps[i], i))
+    first = "" if best == 0 else f", the estimate's best {steps[0]:.4g} s" if steps[0] is not None else \
+        ", the estimate's best does not fit"
+    note = f"; the fastest simulated step of the {len(found)} best mixes by estimate: {steps[best]:.4g} s{first}"
+    return found[best], note
 
 
 class _AutoSearch:
-    """For each number of kept layers (the last ones: their backward comes first), the most offloads that fit
+    """For each number of kept layers (the last ones: their backward comes first), each number of offloads that fits
     where offload is cheaper than recompute, then recomputed layers made selective while the device holds their
     attention outputs (most time saved per byte first), then the layers still recomputed made selective_offload
     where host memory holds their checkpoints (and back to selective where the device memory that frees allows);
-    of these candidates the one with the least recompute/offload time wins (ties: more layers kept)."""
+    candidates() ranks these by the least recompute/offload time (ties: more layers kept)."""
 
     def __init__(self, ctx: _Context, layers: list, lcosts: _LayerCosts, available: float, room: float):
         self.ctx, self.layers, self.costs, self.available, self.room = ctx, layers, lcosts, available, room
         self.max_offloads = sum(1 for _ in _prefix_within(sorted(lc.saved for lc in layers), room))
 
-    def cheapest(self) -> dict[str, str]:
-        """Most layers kept first; for each count, the most offloads that still fit (an offloaded layer frees its
-        input but the two-layer window costs device memory once, so fewer may fit better), then selective layers
-        in the room left. The cheapest candidate wins; stop once no fewer keeps can win."""
+    def candidates(self, count: int) -> list[dict[str, str]]:
+        """Up to ``count`` distinct mixes, the cheapest by the estimate first (ties: more layers kept). Most
+        layers kept first; for each count, every number of offloads that fits, most first (an offloaded layer
+        frees its input but the two-layer window costs device memory once, so fewer may fit better; and each
+        offload takes device room that selective layers and host room that checkpoints could use: at 1M tokens
+        no offloads and every layer selective, its checkpoints in host memory, costs a fifth of the most
+        offloads), each then given selective layers in the room left. Stop once no fewer keeps can beat the
+        ``count``-th cheapest found."""
         n = len(self.layers)
-        found, best = None, 0.0
+        found: list[tuple[float, int, dict[str, str]]] = []
         for n_keep in range(n - 1, -1, -1):
-            if found is not None and self.lower_bound(n_keep) >= best:
+            if len(found) >= count and self.lower_bound(n_keep) >= found[count - 1][0]:
                 break
             for max_offload in range(n - n_keep, -1, -1):
                 trial = self.assign(n_keep, max_offload)
                 need = _activation_bytes(self.ctx, trial)[0]
                 if need <= self.available:
                     trial = self.to_host(self.upgrade(trial, self.available - need))
-                    if found is None or self.spent(trial) < best:
-                        found, best = trial, self.spent(trial)
-                    break
+                    if all(trial != c for _, _, c in found):
+                        found.append((self.spent(trial), -n_keep, trial))
+                        found.sort(key=lambda f: f[:2])
                 if "offload" not in trial.values():
                     break
-        return found or self.assign(0, 0)
+        return [c for _, _, c in found[:count]] or [self.assign(0, 0)]
 
     def assign(self, n_keep: int, max_offload: int) -> dict[str, str]:
         """The last ``n_keep`` layers kept; of the others, up to ``max_offload`` offloaded where that is cheaper
@@ -413,7 +441,7 @@ _CHOICE_REASONS = (("offload", _offload_reason), ("selective", _selective_reason
                    ("selective_offload", _selective_offload_reason), ("recompute", _recompute_reason))
 
 
-def _activation_line(ctx, layers, chosen, lcosts: _LayerCosts, available, room, forced) -> str:
+def _activation_line(ctx, layers, chosen, lcosts: _LayerCosts, available, room, forced, simulated="") -> str:
     groups = {c: [lc for lc in layers if chosen[lc.name] == c]
               for c in ("keep", "offload", "selective", "selective_offload", "recompute")}
     parts = [f"keep {len(groups['keep'])} of {len(layers)} ({_names_text([lc.name for lc in groups['keep']])})"]
@@ -424,5 +452,5 @@ def _activation_line(ctx, layers, chosen, lcosts: _LayerCosts, available, room, 
                          f"{reason(group, ctx, lcosts, room, forced)})")
     source = "pinned by the caller" if forced == "pinned" else f"options.activations={forced!r}" if forced != "auto" else (
         f"auto: all-keep needs {human_bytes(ctx.costs.activation_peak)}, {human_bytes(available)} left for "
-        f"activations with every weight streamed")
+        f"activations with every weight streamed{simulated}")
     return (f"activations: {', '.join(parts)}; device activations {human_bytes(ctx.activations)} ({source})")

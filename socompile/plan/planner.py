@@ -11,7 +11,8 @@ Decisions, in this order (each reads the cost model; docs/planner.md explains th
    ZeRO-sharded optimizer state / (dp*sp)); collectives are simulated on the profile's interconnect.
 3. Activations per repeated layer (keep / recompute / selective / offload, ``activation_policy.py``): keep what
    fits, offload where the link hides under compute and host memory allows, recompute the rest (all but the
-   attention kernels where the device holds their outputs, "selective"), the cheapest such mix.
+   attention kernels where the device holds their outputs, "selective"); of the mixes cheapest by a per-layer
+   estimate, the one with the fastest simulated step.
 4. GPU-resident buckets and weight flow, jointly: for each candidate count K of GPU-resident buckets (the last
    K, whose gradients arrive last), make memory fit by streaming the CPU buckets whose transfers hide best
    (``t_compute(reads) / t_transfer`` highest first), give each flow bucket the prefetch distance that hides its
@@ -26,7 +27,7 @@ import dataclasses
 import gc
 
 from ..capture.ir import IR
-from ..dtypes import dtype_bytes, dtype_name, gradient_link_name, weights_name
+from ..dtypes import dtype_bytes, gradient_link_name, weights_name
 from ..hardware.profiles import HardwareProfile
 from ..options import Options
 from ..perf.analysis import GraphCosts, analyze, layer_group
@@ -37,12 +38,13 @@ from .activation_policy import _activation_policy
 from .bucketize import FP32_BYTES, bucketize
 from .floor import bucket_size_candidates, bucket_size_line, bucket_text, infeasible_message
 from .memory import MemoryEstimate, runtime_device_bytes
+from .placement import (_apply_flow, _parallel_predictions, _plan_of, _prefetch_distances, _speculation,
+                        _weight_dtype_prediction, _with_k)
 from .transfers import per_step_traffic
 from .plan import BucketPlan, Plan
 from .rollback import rollback_modes
 from .search_state import PlanError, _compact_buckets, _Context, _device, _formula  # noqa: F401
 
-MAX_PREFETCH = 8          # buffers beyond this cost memory and no longer hide anything on these profiles
 FULL_SEARCH = 48          # try every K up to this many buckets; beyond, a grid then a local refinement
 
 
@@ -193,17 +195,6 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
     return PlanDetails(final, cost, costs, sim, zero)
 
 
-def _speculation(options: Options) -> str:
-    """The step the planner simulates and optimises (perf/simulate.py ``speculation``) is the one that will run:
-    with clipping, validation clips every step, so each CPU bucket step speculated during backward is taken
-    again after it ("redo", the clipped step's worst case); else the speculated steps are committed ("on").
-    Without speculation (``options.speculate`` False) no CPU step starts before validation ("off"), clipped or
-    not: nothing is speculated, so nothing is redone."""
-    if not options.speculate:
-        return "off"
-    return "redo" if options.clipping else "on"
-
-
 def _per_rank_profile(hw: HardwareProfile, world: int) -> HardwareProfile:
     """The share of a host one rank gets: ranks sharing one host (up to gpus_per_host) split its memory, cores
     and CPU Adam bandwidth (a GH200 rank has a Grace of its own; 8 PCIe GPUs share a server)."""
@@ -229,26 +220,6 @@ def _parallel_line(ctx: _Context) -> str:
 def _net_eff() -> float:
     from ..perf.cost import NET_EFFICIENCY
     return NET_EFFICIENCY
-
-
-def _parallel_predictions(ctx: _Context) -> tuple:
-    if ctx.world == 1:
-        return ()
-    return (("dp_degree", ctx.dp), ("sp_degree", ctx.sp), ("world_size", ctx.world))
-
-
-def _weight_dtype_prediction(ctx: _Context) -> tuple:
-    """("param_dtype", "float16") for fp16 weights, whose size alone (2 bytes) would name bf16 (plan/memory.py
-    ``weight_dtype``); nothing for the others, whose name the size gives."""
-    return (("param_dtype", ctx.weight_dtype),) if ctx.weight_dtype != dtype_name(ctx.weight_bytes) else ()
-
-
-def _plan_of(ctx: _Context, buckets, recompute, predicted, decisions=(), unoptimized=()) -> Plan:
-    predicted = predicted or (("param_dtype_bytes", ctx.weight_bytes), *_weight_dtype_prediction(ctx),
-                              *_parallel_predictions(ctx))
-    return Plan(target=ctx.hw.name, bucket_size=ctx.options.bucket_size, buckets=tuple(buckets),
-                unoptimized_params=tuple(unoptimized), predicted=tuple(predicted), recompute=recompute,
-                decisions=tuple(decisions), activations=tuple(ctx.choices))
 
 
 def _fitting_buckets(template: _Context, order: list[str], decisions: list[str]):
@@ -310,94 +281,6 @@ def _min_device(ctx: _Context, base) -> MemoryEstimate:
     stream (_compact_buckets) streamed at prefetch distance 0 (one flow buffer live at a time: the transfer is
     not hidden). _with_k falls back to exactly this placement, so a budget of this size plans."""
     return _device(ctx, _apply_flow(ctx, base, _compact_buckets(ctx, base), {}, distance=0))
-
-
-def _transfer_order(ctx: _Context, cpu_buckets) -> list[int]:
-    """CPU buckets, best candidates for weight flow first: compute that reads them / time to stream them."""
-    ratios = []
-    fw_times = ctx.costs.fw_times
-    ir = ctx.ir
-    compact = _compact_buckets(ctx, cpu_buckets)
-    for b in cpu_buckets:
-        if b.index not in compact:
-            continue
-        reads = {ir.graph.nodes[k]["order"] for p in b.params for k in ir.fw_readers.get(p, ())}
-        compute = sum(fw_times[i] for i in reads)
-        ratios.append((-(compute / ctx.cost.transfer_time(b.numel * 2, "h2d")), b.index))
-    return [i for _, i in sorted(ratios)]
-
-
-def _prefetch_distances(ctx: _Context, buckets, flow: set[int]) -> dict[int, int]:
-    """Smallest distance d such that the compute of the d previous flow windows covers each transfer."""
-    uses = []
-    for b in buckets:
-        if b.index in flow:
-            first = min((ctx.costs.fw_uses[p][0] for p in b.params if p in ctx.costs.fw_uses), default=0)
-            uses.append((first, b.index))
-    uses.sort()
-    prefix = [0.0]
-    for t in ctx.costs.fw_times:
-        prefix.append(prefix[-1] + t)
-    out = {}
-    for j, (pos, idx) in enumerate(uses):
-        need = ctx.cost.transfer_time(buckets[idx].numel * 2, "h2d")
-        d = 1
-        while d < MAX_PREFETCH and j - d >= 0 and prefix[pos] - prefix[uses[j - d][0]] < need:
-            d += 1
-        out[idx] = d
-    return out
-
-
-def _with_k(ctx: _Context, base, k: int, order_cache: dict):
-    """Buckets with the last k on the GPU and just enough CPU buckets streamed to fit; None if nothing fits."""
-    n = len(base)
-    buckets = [dataclasses.replace(b, optimizer_site="device", cast_site="device", link_dtype="none",
-                                   param_link_dtype="none", cast_reason="stepped on the GPU: nothing crosses")
-               if b.index >= n - k else b for b in base]
-    memory = _device(ctx, buckets)
-    if memory.device_peak <= ctx.budget:
-        return buckets, memory
-    if "order" not in order_cache:
-        order_cache["order"] = _transfer_order(ctx, base)
-    # Stream buckets in order until the weights saved pay for the (distance-1) buffers and the excess.
-    excess = memory.device_peak - ctx.budget
-    flow: set[int] = set()
-    saved = largest = 0
-    for idx in order_cache["order"]:
-        if idx >= n - k:
-            continue
-        flow.add(idx)
-        saved += base[idx].numel * ctx.weight_bytes
-        largest = max(largest, base[idx].numel)
-        if saved - 2 * largest * 2 < excess:
-            continue
-        trial = _apply_flow(ctx, buckets, flow, _prefetch_distances(ctx, base, flow))
-        memory = _device(ctx, trial)
-        if memory.device_peak > ctx.budget:   # the hiding distances need more buffers than fit: use 1
-            trial = _apply_flow(ctx, buckets, flow, {i: 1 for i in flow})
-            memory = _device(ctx, trial)
-        if memory.device_peak <= ctx.budget:
-            return trial, memory
-    if flow:   # the running estimate never reached the excess; the full set may still fit (staging shrinks too)
-        # distance 0 last: one buffer at a time, transfers not hidden (the floor, _min_device)
-        for dist in (_prefetch_distances(ctx, base, flow), {i: 1 for i in flow}, {i: 0 for i in flow}):
-            trial = _apply_flow(ctx, buckets, flow, dist)
-            memory = _device(ctx, trial)
-            if memory.device_peak <= ctx.budget:
-                return trial, memory
-    return None
-
-
-def _apply_flow(ctx: _Context, buckets, flow: set[int], dist: dict[int, int], distance: int = 1):
-    name = ctx.weight_dtype
-    return [dataclasses.replace(b, weight_mode="flow", prefetch_distance=dist.get(b.index, distance), cast_site="cpu",
-                                param_link_dtype=name,
-                                cast_reason="weights flow from host memory as bf16: the CPU kernel writes the "
-                                            "bf16 copy in the same pass" if name == "bfloat16" else
-                                            "weights flow from host memory as fp16, cast on the host" if
-                                            ctx.weight_bytes == 2 else
-                                            "weights flow from host memory in float32: no cast")
-            if b.index in flow else b for b in buckets]
 
 
 def _choose_gpu_buckets(ctx: _Context, base, recompute: str, decisions: list[str]):

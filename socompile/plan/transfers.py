@@ -113,7 +113,7 @@ def offloaded_by_dtype(lc, choice: str, plan) -> tuple[tuple[str, float], ...]:
 
 def offloaded_bytes(lc, choice: str) -> float:
     """Bytes an offloaded layer moves each way: its saved tensors, or a selective one's checkpoints."""
-    return lc.saved if choice == "offload" else lc.boundary + lc.attention_saved
+    return lc.moved if choice == "offload" else lc.boundary + lc.attention_saved
 
 
 def _layers(plan, ir):
