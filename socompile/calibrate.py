@@ -8,8 +8,11 @@ What is measured, and how:
   "device" is this CPU (DESIGN section 5), so a copy between two host buffers.
 Device FLOP/s is measured as a bf16 and an fp32 matmul on the device (on a CPU this is slow and is what the
 plan gets; fp32 models compute at the fp32 rate, a third of bf16 on this AVX512-BF16 CPU). On a CPU "device"
-also: the attention kernels' FLOP/s per direction, dtype and query shape, and elementwise bytes/s per dtype
-(``device_kernel_rates``; measure_kernel_rates says what and why).
+also: the attention kernels' FLOP/s per direction, dtype and query shape, elementwise bytes/s per dtype
+(``device_kernel_rates``; measure_kernel_rates says what and why) and elements/s per elementwise family
+(measure_elementwise_rates). The runtime's own work, which a CPU "device" pays on the cores that compute: per
+bucket step and per gradient tensor (measure_bucket_overhead, any machine), per flow fetch
+(measure_weight_fetch_overhead) and per offloaded activation.
 """
 from __future__ import annotations
 
@@ -32,6 +35,15 @@ MATMUL_OPERAND_BYTES = 16 * 2**20
 # Operand size of the elementwise measurement: one layer's activations of a model a CPU trains, which sit in the
 # caches, where converting bf16 to fp32 and back costs more than the bytes (bf16: ~2.5x the time per byte of fp32).
 ELEMENTWISE_BYTES = 2**20
+# Elements of the operands the elementwise families' rates are measured on (measure_elementwise_rates): a tiny or
+# small step's elementwise ops read tensors of that order (batch 8 x seq 128 x 64-512 features: 2**16-2**19
+# elements), which stay in the cores' caches, where a bf16 op's conversions, a math op's transcendentals or a
+# reduction's accumulation, not the bytes, set the time.
+ELEMENTWISE_ELEMENTS = 2**16
+ELEMENTWISE_ROW = 128   # the reduction's row length (a head dim or a small model's features)
+# Fastest of this many runs for the matmul and attention rates: with 2 the rate moved by ~30% run to run on a
+# machine shared with other jobs; 5 keeps quick calibration under ~5 s.
+MATMUL_REPEATS = 5
 
 
 def _best_of(fn, repeats: int, clock=time.perf_counter) -> float:
@@ -96,7 +108,8 @@ def measure_adam_bandwidth(numel: int, repeats: int = 3, clock=time.perf_counter
     return numel * ADAM_BYTES_FP32_GRAD / seconds, kind
 
 
-def measure_matmul_flops(n: int, device: str = "cpu", repeats: int = 2, dtype=None, clock=time.perf_counter) -> float:
+def measure_matmul_flops(n: int, device: str = "cpu", repeats: int = MATMUL_REPEATS, dtype=None,
+                         clock=time.perf_counter) -> float:
     import torch
     dtype = dtype or torch.bfloat16
     a = torch.randn(n, n, device=device).to(dtype)
@@ -109,7 +122,7 @@ def measure_matmul_flops(n: int, device: str = "cpu", repeats: int = 2, dtype=No
     return 2 * n**3 / _best_of(run, repeats, clock)
 
 
-def measure_cold_matmul_flops(n: int, dtype, operand_bytes: int = MATMUL_OPERAND_BYTES, repeats: int = 2,
+def measure_cold_matmul_flops(n: int, dtype, operand_bytes: int = MATMUL_OPERAND_BYTES, repeats: int = MATMUL_REPEATS,
                                clock=time.perf_counter) -> float:
     """FLOP/s of ``n``-side square matmuls whose operands are not in the cores' caches: each call reads a
     different pair of a set ``operand_bytes`` large, as a training step's matmuls read activations and weights
@@ -124,7 +137,7 @@ def measure_cold_matmul_flops(n: int, dtype, operand_bytes: int = MATMUL_OPERAND
     return 2 * n**3 * pairs / _best_of(run, repeats, clock)
 
 
-def measure_attention_flops(seq: int, head_dim: int, dtype, backward: bool, repeats: int = 2,
+def measure_attention_flops(seq: int, head_dim: int, dtype, backward: bool, repeats: int = MATMUL_REPEATS,
                             clock=time.perf_counter) -> float:
     """FLOP/s of the CPU's causal flash attention kernel (forward, or the backward kernel) for a query of ``seq``
     x ``head_dim``, as a transformer lays q, k, v out ((batch, seq, heads, dim) transposed); FLOPs counted as the
@@ -201,29 +214,86 @@ def measure_copy_latency(repeats: int = 200, clock=time.perf_counter) -> float:
         runtime.shutdown()
 
 
-def measure_bucket_overhead(buckets: int = 64, numel: int = 1024, repeats: int = 10,
-                            clock=time.perf_counter) -> float:
-    """Seconds of the optimizer runtime's work per bucket beyond its kernel: one ``socompile.AdamW.step()``
-    over ``buckets`` one-parameter buckets against the same parameters in one bucket (same bytes, same kernel
-    work), the difference per extra bucket."""
+def measure_bucket_overhead(tensors: int = 16, numel: int = 2**14, repeats: int = 10,
+                            clock=time.perf_counter) -> tuple[float, float]:
+    """(seconds per bucket, seconds per gradient tensor) of the optimizer runtime's work beyond its kernel, as a
+    compiled backward drives it: ``torch.ops.socompile.bucket_grads_ready`` per bucket of a real
+    ``socompile.AdamW``'s claim, then ``step()`` and ``zero_grad()``. The same ``numel`` parameters (same kernel
+    bytes) in three layouts: one bucket of one tensor (A), one bucket of ``tensors`` tensors (B), ``tensors``
+    buckets of one tensor (C); B - A is ``tensors - 1`` extra tensors, C - B ``tensors - 1`` extra buckets."""
     import torch
 
+    from .ops.optimizer_ops import bucket_grads_ready   # torch.ops.socompile.bucket_grads_ready, as graphs call it
     from .optim.adamw import AdamW
-    params = [torch.nn.Parameter(torch.zeros(numel)) for _ in range(buckets)]
-    grads = [torch.full((numel,), 1e-3) for _ in params]
 
-    def seconds_per_step(bucket_size: int) -> float:
-        opt = AdamW(params, lr=1e-3, bucket_size=bucket_size)
+    def seconds_per_step(buckets: int, per_bucket: int) -> float:
+        size = numel // (buckets * per_bucket)
+        lists = [[torch.nn.Parameter(torch.zeros(size)) for _ in range(per_bucket)] for _ in range(buckets)]
+        grads = [[torch.full((size,), 1e-3) for _ in ps] for ps in lists]
+        opt = AdamW([p for ps in lists for p in ps], lr=1e-3)
+        claim = opt.claim(lists)
 
         def run():
             for _ in range(repeats):
-                for p, g in zip(params, grads):
-                    p.grad = g
+                for b, gs in enumerate(grads):
+                    bucket_grads_ready(gs, [], claim.handle, b, list(range(len(gs))))
                 opt.step()
-        return _best_of(run, 3, clock) / repeats, len(opt.buckets)
-    many, n_many = seconds_per_step(numel * 4)
-    one, n_one = seconds_per_step(numel * 4 * buckets)
-    return max(0.0, (many - one) / max(1, n_many - n_one))
+                opt.zero_grad()
+        return _best_of(run, 3, clock) / repeats
+    one = seconds_per_step(1, 1)
+    many_tensors = seconds_per_step(1, tensors)
+    many_buckets = seconds_per_step(tensors, 1)
+    return max(0.0, (many_buckets - many_tensors) / (tensors - 1)), max(0.0, (many_tensors - one) / (tensors - 1))
+
+
+def measure_weight_fetch_overhead(link_latency: float, repeats: int = 50, clock=time.perf_counter) -> float:
+    """Seconds of the runtime's work per flow fetch beyond the copy hand-off (``link_latency``, charged per
+    transfer already): ``socompile::prefetch``, ``wait_weights`` and ``release`` of a tiny flow bucket on an
+    OffloadRuntime over a hand-built one-bucket plan, through the ops the compiled graph calls."""
+    import torch
+
+    from .ops.offload_ops import prefetch, release, wait_weights   # torch.ops.socompile's, as graphs call them
+    from .plan.plan import BucketPlan, Plan
+    from .runtime.device import CPURuntime
+    from .runtime.flat_bucket import FlatBucket
+    from .runtime.offload import OffloadRuntime
+    bucket = FlatBucket(0, [torch.nn.Parameter(torch.zeros(16))])
+    plan = Plan(target="calibrate", bucket_size=1, unoptimized_params=(), predicted=(("param_dtype_bytes", 4),),
+                buckets=(BucketPlan(index=0, params=("w",), numel=16, grad_bytes=64, optimizer_site="cpu",
+                                    ready_after="bw:w", ready_position=0, weight_mode="flow", prefetch_distance=1),))
+    device = CPURuntime()
+    runtime = OffloadRuntime(plan, [bucket], device)
+
+    def run():
+        for _ in range(repeats):
+            ticket = prefetch(runtime.handle, "fw", 0)
+            weights = wait_weights(runtime.handle, "fw", 0, 16, torch.float32, device.device, ticket)
+            release(runtime.handle, "fw", 0, [weights])
+    try:
+        return max(0.0, _best_of(run, 3, clock) / repeats - link_latency)
+    finally:
+        device.shutdown()
+
+
+def measure_elementwise_rates(op_latency: float = 0.0, elements: int = ELEMENTWISE_ELEMENTS, repeats: int = 5,
+                              clock=time.perf_counter) -> tuple[KernelRate, ...]:
+    """Elements/s per elementwise family and dtype on ``elements``-element operands (ELEMENTWISE_ELEMENTS):
+    binary ``a * b``, math ``silu(a)``, reduction (a row sum over ELEMENTWISE_ROW-wide rows); the op's dispatch
+    (``op_latency``, charged per node already) is taken out."""
+    import torch
+    import torch.nn.functional as F
+    rates = []
+    inner = 20   # one op on 2**16 cached elements is ~10-50 us: time a batch
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.rand(elements).to(dtype), torch.rand(elements).to(dtype)
+        rows = a.view(-1, ELEMENTWISE_ROW)
+        for family, op in (("binary", lambda: a * b), ("math", lambda: F.silu(a)), ("reduction", lambda: rows.sum(-1))):
+            def run(op=op):
+                for _ in range(inner):
+                    op()
+            seconds = _best_of(run, repeats, clock) / inner - op_latency
+            rates.append(KernelRate(f"elementwise_{family}", str(dtype), elements / max(seconds, 1e-9)))
+    return tuple(rates)
 
 
 def measure_activation_offload_overhead(tensors: int = 16, repeats: int = 10, clock=time.perf_counter) -> float:
@@ -326,16 +396,19 @@ def calibrate(quick: bool = False, name: str = THIS_MACHINE, clock=time.perf_cou
         flops = measure_matmul_flops(512 if quick else 1024, clock=clock)
         fp32_flops = measure_matmul_flops(512 if quick else 1024, dtype=torch.float32, clock=clock)
         op_latency = measure_op_latency(clock=clock)
-        kernel_rates = measure_kernel_rates(clock=clock)
+        kernel_rates = measure_kernel_rates(clock=clock) + measure_elementwise_rates(op_latency, clock=clock)
         link_latency = measure_copy_latency(clock=clock)   # a copy is a hand-off to a stream thread
         dev_mem, where = _host_memory() // 2, "no GPU: the device is this CPU"
+    per_bucket, per_tensor = measure_bucket_overhead(clock=clock)
     return HardwareProfile(
         name=name, device_memory=int(dev_mem), device_bandwidth=dev_bw, device_bf16_flops=flops,
         host_memory=_host_memory(), host_bandwidth=host_bw, host_cores=cores, link_bandwidth=h2d,
         link_latency=link_latency, cpu_adam_bandwidth=adam_bw, device_reserved=0 if not torch.cuda.is_available() else GB,
         link_bandwidth_d2h=d2h, device_is_host=not torch.cuda.is_available(), device_fp32_flops=fp32_flops,
         device_op_latency=op_latency, device_kernel_rates=kernel_rates,
-        cpu_bucket_overhead=measure_bucket_overhead(clock=clock),
+        cpu_bucket_overhead=per_bucket, cpu_grad_overhead=per_tensor,
+        weight_fetch_overhead=0.0 if torch.cuda.is_available() else measure_weight_fetch_overhead(link_latency,
+                                                                                                  clock=clock),
         activation_offload_overhead=0.0 if torch.cuda.is_available() else measure_activation_offload_overhead(
             clock=clock),
         source=f"measured by socompile calibrate ({'quick' if quick else 'full'}; {where}; CPU Adam: {adam_kind})")

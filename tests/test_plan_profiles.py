@@ -66,6 +66,27 @@ def test_calibrate_measures_this_machine_and_writes_a_loadable_profile(tmp_path)
                 for d in ("torch.float32", "torch.bfloat16")} <= kinds
 
 
+def test_calibrate_measures_the_runtimes_work_and_the_elementwise_families_on_a_cpu_device():
+    """The terms the simulator charges a CPU "device" beyond its kernels' bytes and FLOPs: the runtime's work
+    per bucket, per gradient tensor and per flow fetch, and elements/s per elementwise family and dtype."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU's profile charges none of these (launches and the runtime's work are hidden)")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # as the test above
+    try:
+        hw = calibrate(quick=True)
+    finally:
+        torch.set_num_threads(threads)
+    # > 0: each is Python work of at least one call (microseconds); a broken measurement clamps to 0
+    assert hw.cpu_bucket_overhead > 0 and hw.cpu_grad_overhead > 0 and hw.weight_fetch_overhead > 0
+    for family in ("binary", "math", "reduction"):
+        for dtype in ("torch.float32", "torch.bfloat16"):
+            assert hw.elementwise_rate(family, dtype) > 0
+    assert PROFILES["gh200"].elementwise_rate("binary", "torch.float32") is None
+    assert PROFILES["gh200"].cpu_grad_overhead == PROFILES["gh200"].weight_fetch_overhead == 0
+
+
 def test_target_this_machine_without_a_cached_profile_calibrates_on_real_tensors_and_caches_it(tmp_path,
                                                                                                 monkeypatch):
     """The first compile for ``this-machine`` measures the machine from inside the compile, where AOTAutograd's

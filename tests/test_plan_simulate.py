@@ -158,7 +158,7 @@ def test_fp32_matmuls_run_at_the_profiles_fp32_rate_where_it_has_one():
     assert slow_fp32.matmul_flops("torch.bfloat16") == bf16_rate.device_bf16_flops
 
 
-def test_a_cpu_device_pays_each_kernels_dispatch_and_views_cost_nothing():
+def test_a_cpu_device_pays_each_kernels_dispatch_and_placeholders_cost_nothing():
     cost = CostModel(profile(device_op_latency=5e-6))
     assert cost.node_time("memory", 0, 0) == 5e-6 and cost.node_time("free", 0, 0) == 0
     assert CostModel(profile()).node_time("memory", 0, 0) == 0   # shipped GPU profiles: launches hidden
@@ -270,3 +270,84 @@ def test_each_offloaded_saved_tensor_pays_the_measured_runtime_work_once_out_and
                                                        activation_offload_overhead=1e-3), d.cost.symbol_values))
     assert offloaded and tensors > len(offloaded)
     assert slow.step_time - base.step_time == pytest.approx(tensors * 1e-3, rel=1e-6)
+
+
+@pytest.mark.parametrize("tensors", [0, 2])
+def test_a_bucket_step_pays_the_runtime_work_per_bucket_and_per_gradient_tensor(tensors):
+    """cpu_grad_overhead: the runtime receives each gradient tensor of a bucket on its own (calibrate measures
+    it beside the per-bucket work): a bucket of ``tensors`` tensors costs the per-bucket work plus that many."""
+    hw = profile(device_is_host=True, cpu_bucket_overhead=1e-3, cpu_grad_overhead=1e-4)
+    cost = CostModel(hw)
+    kernel = CostModel(profile(device_is_host=True)).cpu_adam_time(1e6, 4, False)
+    assert cost.cpu_adam_time(1e6, 4, False, tensors=tensors) == pytest.approx(kernel + 1e-3 + tensors * 1e-4)
+    assert cost.bucket_overhead(tensors) == pytest.approx(1e-3 + tensors * 1e-4)
+
+
+def test_every_bucket_step_cpu_and_device_pays_its_gradient_tensors_in_the_simulated_step():
+    """On a CPU device every task runs one after the other, so the step grows by the per-tensor work of every
+    bucket's gradient tensors, CPU- and device-stepped alike (both go through the same runtime per tensor)."""
+    hw = profile(host_cores=2, device_is_host=True)
+    d = plan_with_details(traced(bf16=True), hw, options(gpu_buckets=1))
+    assert {bk.optimizer_site for bk in d.plan.buckets} == {"cpu", "device"}
+    tensors = sum(len(bk.params) for bk in d.plan.buckets)
+    base = simulate(d.plan, d.costs, CostModel(hw, d.cost.symbol_values))
+    slow = simulate(d.plan, d.costs, CostModel(profile(host_cores=2, device_is_host=True, cpu_grad_overhead=1e-3),
+                                               d.cost.symbol_values))
+    assert slow.step_time - base.step_time == pytest.approx(tensors * 1e-3, rel=1e-6)
+
+
+def test_each_flow_prefetch_pays_the_runtimes_work_per_fetch():
+    """weight_fetch_overhead: the runtime's work per flow fetch (prefetch, wait, release) beyond the copy
+    hand-off; on a CPU device the step grows by it once per prefetch the step issues."""
+    hw = profile(host_cores=2, device_is_host=True)
+    d = plan_with_details(traced(bf16=True), hw, options(gpu_buckets=0, weight_mode="flow"))
+    base = simulate(d.plan, d.costs, CostModel(hw, d.cost.symbol_values))
+    fetches = sum(1 for t in base.tasks if " prefetch b" in t.name)
+    slow = simulate(d.plan, d.costs, CostModel(profile(host_cores=2, device_is_host=True,
+                                                       weight_fetch_overhead=1e-3), d.cost.symbol_values))
+    assert fetches > 1
+    assert slow.step_time - base.step_time == pytest.approx(fetches * 1e-3, rel=1e-6)
+
+
+def test_a_view_node_pays_the_dispatch_of_an_op_where_the_device_pays_it():
+    """A view moves no data, but a CPU "device" dispatches it like any op (device_op_latency); on a GPU
+    (latency 0, launches hidden) it stays free, so the GPU plans do not change."""
+    from socompile.perf.cost import RESHAPE_OPS, op_class
+    ir = traced()
+    calls = [ir.graph.nodes[k] for k in ir.fw_order if ir.graph.nodes[k]["kind"] == "call_function"]
+    views = sum(1 for n in calls if n["is_view"] or n["op"] in RESHAPE_OPS)   # _unsafe_view: a view undeclared
+    others = sum(1 for n in calls if op_class(n["op"], n["is_view"]) != "free")   # kernels: paid it before
+    base = analyze(ir, CostModel(profile(), ir.symbol_values)).fw_time
+    paid = analyze(ir, CostModel(profile(device_op_latency=1e-3), ir.symbol_values)).fw_time
+    assert views > 0
+    assert paid - base == pytest.approx((views + others) * 1e-3, rel=1e-6)
+    assert CostModel(profile()).view_time() == 0
+
+
+def test_an_elementwise_node_of_a_measured_family_takes_its_elements_at_the_measured_rate_when_slower():
+    """Roofline per family: max(bytes at the bandwidth, elements at the family's measured elements/s). A slow
+    measured rate (a math op in bf16 on a CPU) sets the time; a fast one leaves the bytes' time; an op of no
+    family, or a dtype not measured, is charged as before."""
+    from socompile.perf.cost import EFFICIENCY, elementwise_family
+    hw = measured(("elementwise_math", BF16, 1e6), ("elementwise_binary", BF16, 1e15))
+    cost = CostModel(hw)
+    memory = 1e6 / (hw.device_bandwidth * EFFICIENCY["memory"])
+    assert elementwise_family("aten.silu.default") == "math" and elementwise_family("aten.mul.Tensor") == "binary"
+    assert elementwise_family("aten.sum.dim_IntList") == "reduction" and elementwise_family("aten.cat.default") is None
+    assert cost.node_time("memory", 0, 1e6, BF16, "aten.silu.default", elements=5e5) == pytest.approx(0.5)
+    assert cost.node_time("memory", 0, 1e6, BF16, "aten.mul.Tensor", elements=5e5) == pytest.approx(memory)
+    assert cost.node_time("memory", 0, 1e6, FP32, "aten.silu.default", elements=5e5) == pytest.approx(memory)
+    assert cost.node_time("memory", 0, 1e6, BF16, "aten.cat.default", elements=5e5) == pytest.approx(memory)
+
+
+def test_analysis_gives_an_elementwise_node_its_largest_operands_elements():
+    """The traced bf16 model's silu nodes (tiny: batch x seq x hidden elements, bf16) take elements/rate."""
+    ir = traced(bf16=True)
+    silu = [k for k in ir.fw_order if ir.graph.nodes[k]["op"].startswith("aten.silu")]
+    slow = measured(("elementwise_math", BF16, 1.0))   # one element per second: the elements are the time
+    times = analyze(ir, CostModel(slow, ir.symbol_values)).fw_times
+    cost = CostModel(slow, ir.symbol_values)
+    for k in silu:
+        elements = cost.value(ir.graph.nodes[k]["bytes"]) / 2
+        assert times[ir.fw_order.index(k)] == pytest.approx(elements)
+    assert silu

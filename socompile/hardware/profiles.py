@@ -29,7 +29,9 @@ class KernelRate:
     """One kernel class's rate measured on this machine's "device" (calibrate on a CPU-only build), where one
     datasheet figure per profile does not describe it. ``kernel``: "matmul" (FLOP/s of a square matmul of side
     ``shape[0]``), "attention" or "attention_backward" (FLOP/s at a query of ``shape`` = (tokens, head dim)),
-    or "elementwise" (bytes/s of a binary elementwise op on cache-resident operands, ``shape`` empty);
+    "elementwise" (bytes/s of a binary elementwise op on cache-resident operands, ``shape`` empty), or
+    "elementwise_binary", "elementwise_math", "elementwise_reduction" (elements/s of one family of elementwise
+    ops: ``a * b``, ``silu``, a row sum; ``shape`` empty);
     ``dtype``: ``str(torch dtype)``. On a CPU the rates depend on the shape: bf16 attention backward runs at
     ~9 GFLOP/s at 128 x 32 and ~40 at 512 x 128; a bf16 matmul at ~110 GFLOP/s at side 128 and ~190 at 1024."""
     kernel: str
@@ -64,8 +66,12 @@ class HardwareProfile:
     device_fp32_flops: float = 0.0    # fp32 matmul FLOP/s where measured (calibrate); 0: the bf16 rate
     device_op_latency: float = 0.0    # seconds each kernel costs beyond its roofline time where it is not hidden
                                       # (a CPU "device": the dispatch runs on the cores; calibrate measures it)
-    cpu_bucket_overhead: float = 0.0  # seconds of the runtime's Python work per CPU bucket step beyond the kernel
+    cpu_bucket_overhead: float = 0.0  # seconds of the runtime's Python work per bucket step beyond the kernel
                                       # (bookkeeping, swap, upload hand-off; calibrate measures it; 0: not charged)
+    cpu_grad_overhead: float = 0.0    # seconds of that work per gradient tensor of the bucket (receiving it into
+                                      # the flat buffer; calibrate measures it; 0: not charged)
+    weight_fetch_overhead: float = 0.0   # seconds of the runtime's Python work per flow fetch (prefetch, wait,
+                                      # release) beyond the copy hand-off (calibrate on a CPU; 0: not charged)
     activation_offload_overhead: float = 0.0   # seconds of the runtime's work per offloaded saved tensor, out
                                       # and back (hand-offs, bookkeeping; calibrate on a CPU; 0: not charged)
     device_kernel_rates: tuple[KernelRate, ...] = ()   # measured rates where a FLOP rate and a bandwidth do not
@@ -101,6 +107,14 @@ class HardwareProfile:
         if dtype not in rates or "torch.float32" not in rates:
             return 1.0
         return rates["torch.float32"] / rates[dtype]
+
+    def elementwise_rate(self, family: str, dtype: str) -> float | None:
+        """Measured elements/s of the elementwise ``family`` ("binary", "math", "reduction") in ``dtype``; None
+        where not measured (the GPU profiles: their elementwise kernels are charged their bytes)."""
+        for r in self.device_kernel_rates:
+            if r.kernel == f"elementwise_{family}" and r.dtype == dtype and r.rate > 0:
+                return r.rate
+        return None
 
     @property
     def cpu_adam_params_per_s(self) -> float:

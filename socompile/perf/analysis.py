@@ -17,10 +17,11 @@ import dataclasses
 import re
 
 import sympy
+import torch
 
 from ..capture.module_stack import innermost_layer
 from ..capture.ir import IR
-from .cost import CostModel, op_class
+from .cost import RESHAPE_OPS, CostModel, op_class
 
 _LAYER = re.compile(r"^(.*?\.\d+)\.")
 
@@ -123,6 +124,13 @@ def _by_dtype(ir: IR, cost: CostModel, keys) -> tuple[tuple[str, float], ...]:
     return tuple(sorted(out.items()))
 
 
+def _elements(cost: CostModel, data: dict) -> float:
+    """Elements of one node's value: its bytes over its dtype's element size (4 where it names none)."""
+    dtype = getattr(torch, str(data.get("dtype", "")).removeprefix("torch."), None)
+    size = dtype.itemsize if isinstance(dtype, torch.dtype) else 4
+    return cost.value(data["bytes"]) / size
+
+
 def _scaled(expr, factor: int):
     """bytes expression / factor (per-rank share of token-proportional bytes)."""
     if factor == 1:
@@ -145,14 +153,17 @@ def analyze(ir: IR, cost: CostModel, token_shard: int = 1) -> GraphCosts:
         out = []
         for key in order:
             data = nodes[key]
-            cls = op_class(data["op"], data.get("is_view", False)) if data["kind"] == "call_function" else "free"
-            if cls == "free":
-                out.append(0.0)
+            call = data["kind"] == "call_function"
+            cls = op_class(data["op"], data.get("is_view", False)) if call else "free"
+            if cls == "free":   # a view or reshape still dispatches (on a CPU "device"); placeholders do not
+                dispatched = call and (data.get("is_view") or data["op"] in RESHAPE_OPS)
+                out.append(float(cost.view_time()) if dispatched else 0.0)
                 continue
             moved = cost.value(data["bytes"]) + sum(cost.value(nodes[p]["bytes"]) for p in g.predecessors(key))
             flops = cost.value(data["flops"])
+            elements = max([_elements(cost, nodes[k]) for k in (key, *g.predecessors(key))])
             out.append(float(cost.node_time(cls, flops / shard, moved / shard, data.get("dtype", ""), data["op"],
-                                            data.get("attention_dims"))))
+                                            data.get("attention_dims"), elements / shard)))
         return out
 
     fw_times, bw_times = times(ir.fw_order), times(ir.bw_order)

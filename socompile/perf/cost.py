@@ -8,10 +8,14 @@ distinct size expressions costs a few hundred sympy evaluations.
     node time       = op latency + max(flops / (peak_flops[dtype] * eff[class]), bytes_moved / (hbm_bw * eff_mem))
                       (op latency: 0 on a GPU, whose launches are queued ahead; a CPU "device" pays its dispatch;
                       a calibrated CPU device: matmul and attention at the FLOP/s measured for their dtype and
-                      shape, elementwise bytes x the dtype's measured slowdown against fp32)
+                      shape; an elementwise op of a measured family: max(bytes / bw, elements / its measured
+                      elements/s); another elementwise op: bytes x the dtype's measured slowdown against fp32)
+    view time       = op latency (no data moves, but a CPU "device" dispatches the view; 0 on a GPU)
     transfer time   = latency + bytes / link_bw(direction)
     CPU Adam time   = bucket overhead + numel * bytes_per_param / cpu_adam_bw   (28 B/param fp32, 26 with bf16
-                      grads, +2 bf16 copy; the overhead: the runtime's Python work per bucket, where measured)
+                      grads, +2 bf16 copy)
+    bucket overhead = per-bucket + tensors * per-gradient-tensor runtime work (Python: receive, bookkeeping,
+                      swap, hand-offs), where measured (calibrate on a CPU; 0 in the GPU profiles)
     GPU Adam time   = numel * 30 / (hbm_bw * eff_mem)             (fused AdamW + bf16 weight copy, same streams)
     collective time = steps * latency + bytes sent per rank / (group bandwidth per GPU * NET_EFFICIENCY)
                       (ring reduce-scatter / all-gather: W-1 steps; all-to-all: 1 step, pairwise exchanges)
@@ -37,6 +41,20 @@ FREE_OPS = ("placeholder", "output", "<built-in function getitem>", "getitem")
 # aten._unsafe_view after a matmul to reshape its fresh output, a view that declares no alias (so it is not
 # ``is_view``). Its .out overload writes a copy and is not here.
 RESHAPE_OPS = ("aten._unsafe_view.default",)
+# Elementwise families whose elements/s calibrate measures on a CPU "device" (KernelRate "elementwise_<family>"):
+# a binary op streams its operands; a math op's transcendental work can outlast its bytes; a reduction
+# accumulates along rows. Matched on the op's name without overload ("aten.silu_backward.default" ->
+# "silu_backward"). Ops of no family are charged their bytes (x the dtype's slowdown).
+ELEMENTWISE_FAMILIES = {
+    "binary": ("add", "sub", "mul", "div", "where", "neg", "clone", "copy", "_to_copy", "fill", "masked_fill",
+               "threshold_backward", "add_", "mul_", "copy_", "rsub", "maximum", "minimum", "clamp"),
+    "math": ("silu", "silu_backward", "gelu", "gelu_backward", "exp", "log", "rsqrt", "sqrt", "tanh", "sigmoid",
+             "sigmoid_backward", "tanh_backward", "pow", "reciprocal", "erf", "cos", "sin"),
+    "reduction": ("sum", "mean", "amax", "amin", "max", "var_mean", "var", "_softmax", "_log_softmax",
+                  "_softmax_backward_data", "_log_softmax_backward_data", "native_layer_norm",
+                  "native_layer_norm_backward", "logsumexp", "norm", "linalg_vector_norm"),
+}
+_FAMILY_OF = {name: family for family, names in ELEMENTWISE_FAMILIES.items() for name in names}
 
 Size = "int | sympy.Expr"
 
@@ -50,6 +68,13 @@ def op_class(op: str, is_view: bool = False) -> str:
     if "attention" in op:
         return "attention"
     return "memory"
+
+
+def elementwise_family(op: str) -> str | None:
+    """The measured family ("binary", "math", "reduction") of an aten op's name ("aten.mul.Tensor"), or None."""
+    parts = op.split(".")
+    name = parts[1] if len(parts) >= 2 and parts[0] == "aten" else parts[0]
+    return _FAMILY_OF.get(name)
 
 
 def _max(a, b):
@@ -86,17 +111,24 @@ class CostModel:
         return self.symbol_values[name]
 
     # ---------------------------------------------------------------- formulas
-    def node_time(self, op_cls: str, flops, bytes_moved, dtype: str = "", op: str = "", attention_dims=None):
+    def node_time(self, op_cls: str, flops, bytes_moved, dtype: str = "", op: str = "", attention_dims=None,
+                  elements=0):
         """Seconds of one kernel: compute- or bandwidth-bound, whichever is slower (roofline), at the FLOP rate
         of the dtype it computes in (``str(torch dtype)`` of its output; "" for the bf16 rate). An attention
         kernel (``op`` its name, ``attention_dims`` its query's (tokens, head dim)) and a matmul run at the
-        profile's measured rate for their kind, dtype and shape where it has one (flop_rate); an elementwise
-        kernel in a dtype the profile measured slower than fp32 takes that much longer than its bytes."""
+        profile's measured rate for their kind, dtype and shape where it has one (flop_rate). An elementwise
+        kernel of a family whose elements/s the profile measured in its dtype takes the longer of its bytes'
+        time and ``elements`` (its largest operand's) at that rate; another one in a dtype the profile measured
+        slower than fp32 takes that much longer than its bytes."""
         if op_cls == "free":
             return 0
         hw = self.hw
         memory = bytes_moved / (hw.device_bandwidth * EFFICIENCY["memory"])
         if op_cls == "memory" or flops == 0:
+            family = elementwise_family(op) if op_cls == "memory" and elements else None
+            rate = hw.elementwise_rate(family, dtype) if family else None
+            if rate:
+                return hw.device_op_latency + _max(memory, elements / rate)
             return hw.device_op_latency + memory * hw.elementwise_slowdown(dtype)
         compute = flops / self.flop_rate(op_cls, dtype, op, attention_dims, flops)
         return hw.device_op_latency + _max(compute, memory)
@@ -113,6 +145,11 @@ class CostModel:
         elif op_cls == "matmul" and isinstance(flops, (int, float)) and flops > 0:
             measured = self.hw.kernel_flops("matmul", dtype, ((flops / 2) ** (1 / 3),))
         return measured or self.hw.matmul_flops(dtype) * EFFICIENCY[op_cls]
+
+    def view_time(self) -> float:
+        """Seconds of a view node: no data moves, but a CPU "device" dispatches it on its cores (0 on a GPU,
+        whose profile has no op latency)."""
+        return self.hw.device_op_latency
 
     def transfer_time(self, nbytes, direction: str = "h2d"):
         """Seconds to move ``nbytes`` over the link; direction 'h2d' or 'd2h'."""
@@ -135,13 +172,18 @@ class CostModel:
         bw = self.hw.group_bandwidth(group, stride) * NET_EFFICIENCY
         return self.hw.interconnect_latency + nbytes_sent / bw
 
+    def bucket_overhead(self, tensors: int = 0) -> float:
+        """Seconds of the runtime's Python work around one bucket step of ``tensors`` gradient tensors, where
+        the profile measured it (0 in the GPU profiles)."""
+        return self.hw.cpu_bucket_overhead + tensors * self.hw.cpu_grad_overhead
+
     def cpu_adam_time(self, numel, grad_dtype_bytes: int = 4, writes_bf16_copy: bool = False,
-                      bandwidth_scale: float = 1.0):
-        """Seconds of one CPU AdamW step over ``numel`` params (memory-bound: bytes per param / bandwidth), plus
-        the runtime's Python work around each bucket's kernel where the profile measured it."""
+                      bandwidth_scale: float = 1.0, tensors: int = 0):
+        """Seconds of one CPU AdamW step over ``numel`` params of ``tensors`` gradient tensors (memory-bound:
+        bytes per param / bandwidth), plus the runtime's work around the bucket's kernel (bucket_overhead)."""
         per_param = ADAM_BYTES_FP32_GRAD if grad_dtype_bytes == 4 else ADAM_BYTES_BF16_GRAD
         per_param += ADAM_BYTES_BF16_COPY if writes_bf16_copy else 0
-        return self.hw.cpu_bucket_overhead + numel * per_param / (self.hw.adam_bandwidth * bandwidth_scale)
+        return self.bucket_overhead(tensors) + numel * per_param / (self.hw.adam_bandwidth * bandwidth_scale)
 
     def cpu_cast_time(self, numel, src_bytes: int = 4, dst_bytes: int = 2):
         """Seconds of a separate cast pass on the CPU (read src, write dst) at the Adam kernel's bandwidth."""

@@ -315,8 +315,9 @@ class _Step:
         bk = self.buckets[idx]
         # zero-infinity streams bf16 copies of every bucket; superoffload what the plan's list says
         nbytes = bk.numel * 2 if self.baseline else self._transfer(bk, "flow fetch").nbytes
-        return self.b.add(f"{label} prefetch b{idx}", "h2d", self.cost.transfer_time(nbytes, "h2d"), (dep,),
-                          "transfer", nbytes)
+        # plus the runtime's work per fetch (prefetch, wait, release: 0 in the GPU profiles)
+        seconds = self.cost.transfer_time(nbytes, "h2d") + self.cost.hw.weight_fetch_overhead
+        return self.b.add(f"{label} prefetch b{idx}", "h2d", seconds, (dep,), "transfer", nbytes)
 
     # -- the optimizer steps, after each bucket's gradients are ready --
 
@@ -335,8 +336,9 @@ class _Step:
         for bk in self.buckets:
             if bk.index in self.on_device:
                 ready = self._zero_collective("reduce-scatter", bk, ready_after(bk.ready_position))
-                step = self.b.add(f"gpu adam b{bk.index}", "gpu", self.cost.gpu_adam_time(bk.numel / self.world),
-                                  [backward_last, ready], "adam")
+                # the same runtime work per bucket and gradient tensor as a CPU step (0 in the GPU profiles)
+                step = self.b.add(f"gpu adam b{bk.index}", "gpu", self.cost.gpu_adam_time(bk.numel / self.world)
+                                  + self.cost.bucket_overhead(len(bk.params)), [backward_last, ready], "adam")
                 self._zero_collective("all-gather", bk, step)
 
     def _zero_collective(self, kind: str, bk, after: int) -> int:
@@ -381,12 +383,13 @@ class _Step:
             after = [b.add(f"unscale g b{bk.index}", "cpu", cost.cpu_cast_time(shard, 4, 4), after, "cast")]
         grad_bytes = 4 if baseline else dtype_bytes(bk.link_dtype)
         writes_copy = (not baseline) and (bk.cast_site == "cpu" or bk.index in self.flow)
-        adam = b.add(f"adam b{bk.index}", "cpu", cost.cpu_adam_time(shard, grad_bytes, writes_copy, self.adam_scale),
-                     after, "adam")
+        tensors = len(bk.params)   # the runtime receives each gradient tensor into the bucket (bucket_overhead)
+        adam = b.add(f"adam b{bk.index}", "cpu", cost.cpu_adam_time(shard, grad_bytes, writes_copy, self.adam_scale,
+                                                                    tensors), after, "adam")
         if not baseline and self.speculation == "redo":   # rolled back (free: ping-pong) and stepped again
             adam = b.add(f"redo adam b{bk.index}", "cpu",
-                         cost.cpu_adam_time(shard, grad_bytes, writes_copy, self.adam_scale), [adam, backward_last],
-                         "adam")
+                         cost.cpu_adam_time(shard, grad_bytes, writes_copy, self.adam_scale, tensors),
+                         [adam, backward_last], "adam")
         return adam
 
     def _weights_up(self, bk, shard: float, adam: int) -> int:
