@@ -24,11 +24,10 @@ import tempfile
 import time
 
 import torch
-import torch.nn.functional as F
 
 import socompile
 from socompile.data import ByteBatches, stdlib_corpus
-from socompile.models import build
+from socompile.models import WithLMLoss, build
 from socompile.tools.runtime_timeline import simulate_compiled
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -79,18 +78,6 @@ class Result:
     @property
     def median_ratio(self) -> float:
         return self.simulated / self.median
-
-
-class WithLoss(torch.nn.Module):
-    """The model and its loss as one module, so the loss is compiled into the graph the simulator replays (it
-    charges the loss's nodes; run outside the graph they were eager work it did not see)."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.model(x).flatten(0, 1).float(), y.flatten())
 
 
 def calibrated_profile_path(directory: str, as_gpu: bool = False, clock: str = "wall",
@@ -154,7 +141,7 @@ def compile_case(case: Case, preset: str, target: str, compute: str = "eager", l
     opt = socompile.AdamW(model.parameters(), **HYPER, **case.optimizer)
     backend = socompile.SuperOffload({"target": target, "bucket_size": BUCKET_SIZE.get(preset, "1MB"),
                                       "compute": compute, **case.options})
-    return torch.compile(WithLoss(model), backend=backend), opt, backend
+    return torch.compile(WithLMLoss(model), backend=backend), opt, backend
 
 
 def run_case(case: Case, preset: str, target: str, batches, warmup: int, compute: str = "inductor",

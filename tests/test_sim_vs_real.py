@@ -36,7 +36,7 @@ def test_one_tiny_case_prints_its_simulated_and_measured_step_and_the_ratio_line
 
 
 def test_the_loss_is_compiled_into_the_graph_the_simulator_replays():
-    """WithLoss: the compiled graph returns the scalar loss (the simulator charges its nodes)."""
+    """WithLMLoss: the compiled graph returns the scalar loss (the simulator charges its nodes)."""
     import torch
     bench = _bench()
     from socompile.hardware.profiles import PROFILES, save_profile
