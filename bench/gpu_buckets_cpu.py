@@ -108,10 +108,10 @@ def main() -> None:
     data = ByteBatches(stdlib_corpus(), args.batch, args.seq, seed=0)
     batches = [next(data) for _ in range(args.warmup + args.steps)]
     load0 = os.getloadavg()[0]
-    from socompile.hardware import get_profile
+    from socompile.calibrate import profile_for_target
     # calibrated (or read from its cache) before any compile: calibrating inside the backend would run the
-    # kernels on the compile's fake tensors
-    hw = get_profile("this-machine")
+    # kernels on the compile's fake tensors; a fresh clone has no cached profile, so measure it here
+    hw = profile_for_target("this-machine")
     results = {}
     for preset in args.presets.split(","):
         results[preset] = measure_preset(preset, args, batches)
