@@ -28,8 +28,11 @@ CASES: dict[str, tuple[str, dict]] = {
     "llama-7b-gh200": ("llama-7b", dict(batch=4, seq=4096, dtype=torch.bfloat16, options={"target": "gh200"})),
     "llama-13b-pcie-recompute": ("llama-13b", dict(batch=2, seq=4096, dtype=torch.bfloat16,
                                                    options={"target": "a100-pcie", "activations": "recompute"})),
+    # gpu_buckets pinned: the planner's own choice keeps every bucket on the GPU here, and the case is what
+    # covers the host side under ZeRO (CPU buckets sharded over dp x sp, their per-rank host memory)
     "llama-7b-dp2-sp2": ("llama-7b", dict(batch=2, seq=4096, dtype=torch.bfloat16,
-                                          options={"target": "gh200", "dp_degree": 2, "sp_degree": 2})),
+                                          options={"target": "gh200", "dp_degree": 2, "sp_degree": 2,
+                                                   "gpu_buckets": 8})),
 }
 
 
