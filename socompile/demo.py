@@ -4,7 +4,6 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn.functional as F
 
 
 def run_demo(preset: str = "tiny", steps: int = 300, batch: int = 8, seq: int = 128, lr: float = 3e-3,
@@ -13,7 +12,7 @@ def run_demo(preset: str = "tiny", steps: int = 300, batch: int = 8, seq: int = 
 
     import socompile
     from socompile.data import ByteBatches, stdlib_corpus
-    from socompile.models import build
+    from socompile.models import WithLMLoss, build
     from socompile.report import plan_table
 
     torch.manual_seed(seed)
@@ -23,7 +22,8 @@ def run_demo(preset: str = "tiny", steps: int = 300, batch: int = 8, seq: int = 
     # The tiny model would fit on any device; pin one device-resident bucket so the demo shows both kinds:
     # CPU buckets stepped during backward, and a device bucket stepped after validation.
     backend = socompile.SuperOffload(compute=compute, bucket_size="1MB", gpu_buckets=1)
-    cmodel = torch.compile(model, backend=backend)
+    # the loss is compiled with the model, so the plan counts its memory too (socompile.models.WithLMLoss)
+    cmodel = torch.compile(WithLMLoss(model), backend=backend)
     data = ByteBatches(stdlib_corpus(), batch=batch, seq=seq, seed=seed)
     print(f"socompile demo: {preset} Llama, {n_params / 1e6:.2f}M parameters, batch {batch} x {seq} bytes of "
           f"Python stdlib source, compute compiled by {compute}, {torch.get_num_threads()} CPU threads")
@@ -34,7 +34,7 @@ def run_demo(preset: str = "tiny", steps: int = 300, batch: int = 8, seq: int = 
     start = None
     for step in bar:
         x, y = next(data)
-        loss = F.cross_entropy(cmodel(x).flatten(0, 1), y.flatten())
+        loss = cmodel(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad()

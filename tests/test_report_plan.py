@@ -87,3 +87,26 @@ def test_cli_plans_a_parallel_job_with_an_activation_policy(capsys, tmp_path):
     assert {c for _, c in data["activations"]} == {"recompute"}
     pred = dict((k, v) for k, v in data["predicted"])
     assert pred["sp_degree"] == 2 and pred["dp_degree"] == 2 and pred["comm_ulysses_bytes"] > 0
+
+
+@pytest.mark.parametrize("loss_in_graph", [False, True])
+def test_a_graph_returning_logits_is_told_its_loss_outside_is_not_planned(loss_in_graph):
+    """On an H200 a loss computed outside the compiled model peaked at 128% of the plan (docs/runtime.md): the
+    plan names what the graph returns and the fix; a graph that returns its loss gets no such line."""
+    import torch
+    import socompile
+    from socompile.models import WithLMLoss, build
+    torch.manual_seed(0)
+    model = build("tiny", n_layers=1)
+    socompile.AdamW(model.parameters(), lr=1e-3)
+    backend = socompile.SuperOffload(compute="eager")
+    x = torch.randint(0, 256, (8, 128))   # logits 8 x 128 x 256 fp32: 1 MiB, the smallest that counts
+    if loss_in_graph:
+        torch.compile(WithLMLoss(model), backend=backend)(x, x).backward()
+    else:
+        torch.compile(model, backend=backend)(x).sum().backward()
+    notes = [d for d in backend.compiled[0].plan.decisions if d.startswith("outputs:")]
+    if loss_in_graph:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and "returns 1.0 MB" in notes[0] and "WithLMLoss" in notes[0], notes

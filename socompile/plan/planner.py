@@ -38,6 +38,7 @@ from .activation_policy import _activation_policy
 from .bucketize import FP32_BYTES, bucketize
 from .floor import bucket_size_candidates, bucket_size_line, bucket_text, infeasible_message
 from .memory import MemoryEstimate, runtime_device_bytes
+from .outputs import outside_loss_note
 from .placement import (_apply_flow, _parallel_predictions, _plan_of, _prefetch_distances, _speculation,
                         _weight_dtype_prediction, _with_k)
 from .transfers import per_step_traffic
@@ -124,6 +125,9 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
     decisions: list[str] = []
     if world > 1:
         decisions.append(_parallel_line(template))
+    outputs = outside_loss_note(ir, cost)
+    if outputs:
+        decisions.append(outputs)
     ctx, base, recompute = _fitting_buckets(template, order, decisions)
     if not options.speculate:
         decisions.append("objective: the step without speculation (options.speculate=False): every CPU step waits "
