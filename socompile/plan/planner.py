@@ -125,9 +125,6 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
     decisions: list[str] = []
     if world > 1:
         decisions.append(_parallel_line(template))
-    outputs = outside_loss_note(ir, cost)
-    if outputs:
-        decisions.append(outputs)
     ctx, base, recompute = _fitting_buckets(template, order, decisions)
     if not options.speculate:
         decisions.append("objective: the step without speculation (options.speculate=False): every CPU step waits "
@@ -182,6 +179,9 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
     buckets = [dataclasses.replace(b, ready_s=round(times.get(b.index, (sim.backward_end,) * 2)[0], 6),
                                    stepped_s=round(times.get(b.index, (0.0, sim.step_time))[1], 6))
                for b in buckets]
+    outputs = outside_loss_note(ir, cost)   # advice, after the decisions it does not change
+    if outputs:
+        decisions.append(outputs)
     final = _plan_of(ctx, buckets, recompute, predicted, tuple(decisions), unoptimized)
     # What the runtime itself will hold on the device (weights, device optimizer state, flow buffers), walked
     # over the exact flow schedule: tests compare it with the runtime's measured peak byte for byte.
