@@ -20,7 +20,8 @@ What it asserts (each a failure, exit 1), with the bound's reason:
 - the loss falls: the mean of the last two steps' losses is below the first step's (random tokens: the model
   learns their unigram statistics, the loss drops from above ln(vocab) towards it);
 - device memory: the measured peak (torch.cuda.max_memory_allocated over the timed steps) is within
-  PEAK_TOLERANCE (10%) of the plan's prediction (``device_peak_bytes``).
+  PEAK_TOLERANCE (10%) of the plan's prediction (``device_peak_bytes``) with eager compute, and at most 10%
+  above it under Inductor (which fuses intermediates the plan frees one by one: the plan is an upper bound).
 """
 from __future__ import annotations
 
@@ -119,6 +120,9 @@ def equals_eager_check(steps: int = 3, device: str = "cuda") -> None:
 def time_steps(model, opt, data, steps: int, warmup: int, losses: list | None = None) -> float:
     times = []
     for i, (x, y) in enumerate(data[:warmup + steps]):
+        if i == warmup:   # the peak of the timed steps: not the compile's (Inductor's autotuning, or a
+            #               this-machine calibration run by the first plan: 132% of the plan on the H200)
+            torch.cuda.reset_peak_memory_stats()
         torch.cuda.synchronize()
         t = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16):   # a no-op for a bf16 model's own weights
@@ -131,9 +135,6 @@ def time_steps(model, opt, data, steps: int, warmup: int, losses: list | None = 
             losses.append(loss.item())
         if i >= warmup:
             times.append(time.perf_counter() - t)
-        if i + 1 == warmup:   # the peak of the timed steps: not the compile's (Inductor's autotuning, or a
-            #                   this-machine calibration run by the first plan: 132% of the plan on the H200)
-            torch.cuda.reset_peak_memory_stats()
     return sorted(times)[len(times) // 2]
 
 
@@ -154,14 +155,13 @@ def offload_case(args, overrides: dict, data, dtype: torch.dtype, compute: str =
     # The loss is compiled with the model: a loss computed outside the graph holds ~3 fp32 copies of the logits
     # (0.7 GiB here) that the plan cannot see (the first GPU run measured 128% of the plan that way).
     cmodel = torch.compile(WithLMLoss(model), backend=backend)
-    torch.cuda.reset_peak_memory_stats()
     losses: list[float] = []
     t = time_steps(cmodel, opt, data, args.steps, args.warmup, losses)
     peak = torch.cuda.max_memory_allocated()
     total = time.perf_counter() - t0
     ctx = backend.compiled[0] if backend.compiled else None
     line = (f"with offload (socompile, {name}): {t * 1e3:.1f} ms/step, peak "
-            f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB (torch), {total:.0f} s with compile")
+            f"{peak / 2**30:.1f} GiB (torch), {total:.0f} s with compile")
     print(line)
     if ctx is not None and ctx.plan is not None:
         sites = [b.optimizer_site for b in ctx.plan.buckets]
@@ -256,7 +256,6 @@ def main() -> None:
         model = build(args.preset, **overrides).cuda()
         n = sum(p.numel() for p in model.parameters())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        torch.cuda.reset_peak_memory_stats()
         t = time_steps(torch.compile(WithLMLoss(model)), opt, data, args.steps, args.warmup)
         print(f"without offload ({n / 1e9:.2f}B params, fp32 master + bf16 autocast, Inductor + fused AdamW on the "
               f"GPU): {t * 1e3:.1f} ms/step, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")

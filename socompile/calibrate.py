@@ -344,7 +344,7 @@ def _host_memory() -> int:
 def last_level_cache_bytes(sysfs: str = "/sys/devices/system/cpu") -> int:
     """Bytes of the highest-level CPU caches, each distinct cache counted once (sysfs); 0 where unreadable."""
     import glob
-    caches: dict[tuple[str, str], int] = {}
+    caches: dict[str, int] = {}   # of the highest level seen: size by the CPUs sharing it
     top = 0
     for index in glob.glob(f"{sysfs}/cpu[0-9]*/cache/index[0-9]*"):
         try:
@@ -358,7 +358,7 @@ def last_level_cache_bytes(sysfs: str = "/sys/devices/system/cpu") -> int:
         if level > top:
             caches, top = {}, level
         if level == top:
-            caches[(str(level), shared)] = nbytes
+            caches[shared] = nbytes
     return sum(caches.values())
 
 
@@ -376,7 +376,7 @@ def calibrate(quick: bool = False, name: str = THIS_MACHINE, clock=time.perf_cou
     buffer = streaming_bytes((64 if quick else 512) * 2**20)
     host_bw = measure_copy_bandwidth(buffer, clock=clock)
     # p, g, m, v: 16 B per parameter stream through the kernel
-    adam_bw, adam_kind = measure_adam_bandwidth(streaming_bytes((64 if quick else 512) * 2**20) // 16, clock=clock)
+    adam_bw, adam_kind = measure_adam_bandwidth(buffer // 16, clock=clock)
     cores = os.cpu_count() or 1
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)

@@ -123,7 +123,7 @@ def test_an_offload_moves_each_saved_output_so_two_views_of_one_tensor_cross_twi
     bytes count each (``LayerCosts.moved``), while the device memory an offload frees counts the tensor once."""
     import networkx as nx
     from socompile.capture.ir import IR
-    from socompile.perf.analysis import LayerCosts, _saved_outputs
+    from socompile.perf.analysis import LayerCosts, _saved_outputs, _view_roots
     from socompile.plan.transfers import offloaded_bytes
 
     g = nx.DiGraph()
@@ -138,7 +138,7 @@ def test_an_offload_moves_each_saved_output_so_two_views_of_one_tensor_cross_twi
             bw_order=["bw:view_1", "bw:detach_1", "bw:t", "bw:tangents_1"], fw_readers={}, bw_readers={},
             grad_node={}, grad_output_index={})
     # both views of mm are moved; the saved transpose of a weight (primals_1) stays on the device
-    assert _saved_outputs(ir, weights=set()) == [("fw:view_1", "fw:mm"), ("fw:detach_1", "fw:mm")]
+    assert _saved_outputs(ir, set(), _view_roots(ir)) == [("fw:view_1", "fw:mm"), ("fw:detach_1", "fw:mm")]
     layer = LayerCosts(name="layers.0", fw_span=(0, 1), bw_span=(0, 1), saved=32768.0, saved_expr=32768,
                        boundary=0.0, boundary_expr=0, fw_time=0.0, bw_time=0.0,
                        saved_by_dtype=(("float32", 2 * 32768.0),), saved_tensors=2)

@@ -161,7 +161,8 @@ def analyze(ir: IR, cost: CostModel, token_shard: int = 1) -> GraphCosts:
                 continue
             moved = cost.value(data["bytes"]) + sum(cost.value(nodes[p]["bytes"]) for p in g.predecessors(key))
             flops = cost.value(data["flops"])
-            elements = max([_elements(cost, nodes[k]) for k in (key, *g.predecessors(key))])
+            # an elementwise node's time may be set by its elements (CostModel.node_time): its largest operand's
+            elements = max(_elements(cost, nodes[k]) for k in (key, *g.predecessors(key))) if cls == "memory" else 0
             out.append(float(cost.node_time(cls, flops / shard, moved / shard, data.get("dtype", ""), data["op"],
                                             data.get("attention_dims"), elements / shard)))
         return out
@@ -182,10 +183,12 @@ def analyze(ir: IR, cost: CostModel, token_shard: int = 1) -> GraphCosts:
                 out[p] = (min(orders), max(orders))
         return out
 
-    peak, peak_expr, peak_at, saved_roots, first_bw_use, last_use = _liveness(ir, cost, param_nodes)
+    roots = _view_roots(ir)
+    peak, peak_expr, peak_at, saved_roots, first_bw_use, last_use = _liveness(ir, cost, param_nodes, roots)
     saved_expr = _sum(nodes[r]["bytes"] for r in saved_roots)
     ckpt_expr, layer_saved, layer_fw, layers = _checkpoint_estimate(ir, cost, saved_roots, fw_times, param_nodes,
-                                                                    first_bw_use, last_use, bw_times)
+                                                                    first_bw_use, last_use, bw_times,
+                                                                    _saved_outputs(ir, param_nodes, roots))
     layer_max_expr = max(layer_saved.values(), key=cost.value, default=0)
     if shard > 1:
         peak, peak_expr = peak / shard, _scaled(peak_expr, shard)
@@ -222,21 +225,29 @@ def _param_aliases(ir: IR) -> set[str]:
     return {key for key, data in ir.graph.nodes(data=True) if data.get("alias_of")}
 
 
-def _liveness(ir: IR, cost: CostModel, weights: set[str]):
+def _view_roots(ir: IR) -> dict[str, str]:
+    """Node key -> the node whose storage it is: a view's base (through chains of views), a backward input's
+    forward tensor (the saved tensor it is), else itself."""
     g = ir.graph
-    sequence = [*ir.fw_order, *ir.bw_order]
-    position = {k: i for i, k in enumerate(sequence)}
-    grads = set(ir.grad_node.values())
+    forward = set(ir.fw_order)
     root: dict[str, str] = {}
-    for key in sequence:
+    for key in [*ir.fw_order, *ir.bw_order]:
         data = g.nodes[key]
         preds = [p for p in g.predecessors(key)]
-        if key.startswith("bw:") and data["kind"] == "placeholder" and f"fw:{key[3:]}" in position:
+        if key.startswith("bw:") and data["kind"] == "placeholder" and f"fw:{key[3:]}" in forward:
             root[key] = root.get(f"fw:{key[3:]}", f"fw:{key[3:]}")
         elif data.get("is_view") and preds:
             root[key] = root.get(preds[0], preds[0])
         else:
             root[key] = key
+    return root
+
+
+def _liveness(ir: IR, cost: CostModel, weights: set[str], root: dict[str, str]):
+    g = ir.graph
+    sequence = [*ir.fw_order, *ir.bw_order]
+    position = {k: i for i, k in enumerate(sequence)}
+    grads = set(ir.grad_node.values())
     staged = {root[g] for n, g in ir.grad_node.items() if ir.params[n].optimized}   # counted as gradient staging
     weights = weights | staged
     last: dict[str, int] = {}
@@ -276,27 +287,18 @@ def _liveness(ir: IR, cost: CostModel, weights: set[str]):
     return peak, expr, sequence[peak_pos], saved, first_bw, last
 
 
-def _saved_outputs(ir: IR, weights: set[str]) -> list[tuple[str, str]]:
+def _saved_outputs(ir: IR, weights: set[str], root: dict[str, str]) -> list[tuple[str, str]]:
     """(saved output, the tensor it is or views) of each forward tensor handed to the backward, in backward
     input order: what the activation offload pass moves, one copy each; views of weights and of graph inputs
-    stay where they are."""
+    stay where they are. ``root``: _view_roots."""
     g = ir.graph
-    out = []
-    for key in ir.bw_order:
-        saved = f"fw:{key[3:]}"
-        if g.nodes[key]["kind"] != "placeholder" or saved not in g:
-            continue
-        root = saved
-        while g.nodes[root].get("is_view") and list(g.predecessors(root)):
-            root = list(g.predecessors(root))[0]
-        if g.nodes[root]["kind"] != "placeholder" and root not in weights:
-            out.append((saved, root))
-    return out
+    saved = [(f"fw:{k[3:]}", root[k]) for k in ir.bw_order if g.nodes[k]["kind"] == "placeholder" and root[k] != k]
+    return [(out, r) for out, r in saved if g.nodes[r]["kind"] != "placeholder" and r not in weights]
 
 
 def _checkpoint_estimate(ir: IR, cost: CostModel, saved_roots: list[str], fw_times: list[float],
                          weights: set[str], first_bw_use: dict | None = None, last_use: dict | None = None,
-                         bw_times: list[float] | None = None):
+                         bw_times: list[float] | None = None, saved_outputs: list[tuple[str, str]] = ()):
     """Per-layer activation checkpointing, estimated: each repeated layer keeps only its input (the first
     non-weight input of its first weight-reading node); one layer's saved tensors are live while it is
     recomputed. Returns (kept bytes expr, saved bytes expr per layer, forward seconds of repeated layers)."""
@@ -331,8 +333,9 @@ def _checkpoint_estimate(ir: IR, cost: CostModel, saved_roots: list[str], fw_tim
         return innermost_layer(g.nodes[r].get("modules", ()), boundary) if by_module else group_of_pos[position[r]]
 
     moved: dict[str, list[str]] = {}   # layer -> the saved outputs an offload moves (passes/activation_offload.py)
-    for out, r in _saved_outputs(ir, weights):
-        group = innermost_layer(g.nodes[out].get("modules", ()), boundary) or owner(r) if by_module else owner(r)
+    for out, r in saved_outputs:
+        # the pass reads the saved output's own module first, then its root's
+        group = (by_module and owner(out)) or owner(r)
         if group in boundary:
             moved.setdefault(group, []).append(out)
     for r in saved_roots:
