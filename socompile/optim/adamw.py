@@ -46,7 +46,8 @@ from .hyper import check_group
 from .module_state import ModelStateHooks, _ModuleHook  # noqa: F401  (_ModuleHook: pickled models name it here)
 from .owner import hand_over, previous_owners, set_owner
 from .state_dict import torch_param_group  # noqa: F401  (imported from here by socompile.distributed)
-from .validation import commit, discard_iteration, step_now, upload_final, validate_and_finish
+from .validation import (commit, discard_iteration, step_now, undo_for_script_gradients, upload_final,
+                         validate_and_finish)
 
 log = logging.getLogger("socompile")
 
@@ -119,6 +120,7 @@ class AdamW(torch.optim.Optimizer):
         # bucket's gradients, makes every rank step only its shard, agrees on validation, all-gathers weights.
         self._sharding = None
         self._warned_no_grads = False
+        self.warned_script_clip = False   # said once: a script's clip and max_grad_norm both present
         self._rebuild_pool()
         # Separate host master: the model's state_dict() / load_state_dict() go through the host master (flow
         # parameters hold no bytes between uses; a loaded stationary weight must reach the master too).
@@ -247,6 +249,7 @@ class AdamW(torch.optim.Optimizer):
                 p = bucket.params[i]
                 bucket.receive(i, grad, accumulate=p.grad is not None)
                 p.grad = bucket.view(bucket.grad, i)
+        bucket.note_gradients_delivered()
         bucket.arrivals += 1
         if bucket.arrivals == self.grad_accumulation_steps and self._sharding is not None:
             self._sharding.start_reduce(bucket)   # in graph order: the same order on every rank
@@ -307,6 +310,27 @@ class AdamW(torch.optim.Optimizer):
             spec.stats.seconds_speculating += time.perf_counter() - start
         spec.add_partial(*bucket.partial)
 
+    def held_gradient(self, p: torch.Tensor):
+        """(bucket, host gradient) of ``p`` where this optimizer holds its gradient off ``.grad`` (a separate
+        host master), for a training script's own clipping (optim/script_clip.py); else None. Waits for the
+        CPU jobs in flight first: the worker may be stepping from these gradients."""
+        slot = self._slot.get(id(p))
+        if slot is None or not slot[0].mirror:
+            return None
+        self._wait_pending()
+        bucket, i = slot
+        if self._sharding is not None and bucket.has_grad[i]:
+            raise RuntimeError(
+                "torch.nn.utils.clip_grad_norm_ / clip_grad_value_ on parameters of a ZeRO-sharded socompile.AdamW: "
+                "each rank holds only its shard of the reduced gradients. Pass max_grad_norm=... to "
+                "socompile.AdamW (it clips over the global norm) and drop the script's clip.")
+        held = bucket.held_gradient(i)
+        return None if held is None else (bucket, held)
+
+    def sharding_active(self) -> bool:
+        """Whether ZeRO-style sharding splits this optimizer's buckets over ranks."""
+        return self._sharding is not None
+
     def _get_worker(self) -> CPUWorker:
         if self._worker is None:
             self._worker = CPUWorker()
@@ -329,6 +353,10 @@ class AdamW(torch.optim.Optimizer):
         self._wait_pending()
         self._adopt_new_trainables()
         buckets = self.buckets  # a fixed order, so the global norm is summed the same way every time
+        script_changed = [b for b in buckets if b.script_changed_gradients()]
+        if script_changed:
+            self._speculator.stats.script_changed_steps += 1
+            undo_for_script_gradients(self, script_changed)
         for bucket in buckets:
             if not bucket.stepped and bucket.speculated is None:
                 bucket.gather_eager_grads()
@@ -342,7 +370,7 @@ class AdamW(torch.optim.Optimizer):
         if self._sharding is not None:
             self._sharding.reduce_remaining(buckets)
         if self._validating():
-            validate_and_finish(self, buckets)
+            validate_and_finish(self, buckets, script_changed=bool(script_changed))
         else:
             for bucket in upload_order(buckets):
                 if not bucket.stepped:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,9 +30,11 @@ log = logging.getLogger("socompile")
 
 
 @ranges.ranged(ranges.VALIDATE)
-def validate_and_finish(opt: "AdamW", buckets: list[FlatBucket]) -> None:
+def validate_and_finish(opt: "AdamW", buckets: list[FlatBucket], script_changed: bool = False) -> None:
     """Validation: commit the speculated steps, or roll them back and skip (non-finite gradients), or
-    roll them back and redo them with clipped gradients."""
+    roll them back and redo them with clipped gradients. ``script_changed``: the training script changed the
+    gradients after backward (``undo_for_script_gradients`` ran); its gradients are used as it left them, and
+    ``max_grad_norm`` is not applied on top, so that clipping happens once (the script's, as torch would)."""
     start = time.perf_counter()
     spec = opt._speculator
     total, nonfinite = 0.0, False
@@ -52,7 +55,7 @@ def validate_and_finish(opt: "AdamW", buckets: list[FlatBucket]) -> None:
         opt.last_step_skipped, opt.last_step_clipped = True, False
         opt.events.record("skip")
     else:
-        scale = clip_coefficient(norm, opt.max_grad_norm)
+        scale = 1.0 if script_changed else clip_coefficient(norm, opt.max_grad_norm)
         opt.last_step_skipped, opt.last_step_clipped = False, scale < 1.0
         # Each bucket is final here, one by one: its upload is issued at once (overlapping the next
         # buckets' commits or redone steps), in the order the next forward reads them.
@@ -114,6 +117,48 @@ def discard_iteration(opt: "AdamW", bucket: FlatBucket) -> None:
             rollback_inplace(bucket, opt.param_groups, grad_scale=1.0)
         opt.events.record("rollback", bucket.index)
     bucket.reset_iteration()
+
+
+def undo_for_script_gradients(opt: "AdamW", buckets: list[FlatBucket]) -> None:
+    """The training script changed these buckets' gradients between ``backward()`` and ``step()`` (its own
+    ``clip_grad_norm_``, ``clip_grad_value_``, ``GradScaler.unscale_``, a manual ``mul_``). What backward
+    stepped or speculated from the gradients as they were is undone here, exactly (the ping-pong spare), and
+    ``step()`` then steps from the gradients as the script left them: the same parameters as torch's AdamW after
+    the same call. An in-place step (``rollback="inverse"``) cannot be undone once its gradients changed (the
+    inverse needs them), so that case is refused before anything else is touched."""
+    for bucket in buckets:
+        inplace = bucket.speculated == "inplace" or (bucket.stepped and bucket.rollback_mode != "pingpong")
+        if inplace:
+            raise RuntimeError(
+                f"socompile.AdamW.step(): the training script changed the gradients of bucket {bucket.index} "
+                f"between backward() and step() (e.g. torch.nn.utils.clip_grad_norm_), after backward had stepped "
+                f"that bucket in place (rollback='inverse'), whose undo needs the gradients it stepped with. Pass "
+                f"max_grad_norm=... to socompile.AdamW and drop the script's clip, or use rollback='pingpong'.")
+    if opt.sharding_active():
+        raise RuntimeError(
+            "socompile.AdamW.step(): the training script changed the gradients between backward() and step() "
+            "(e.g. torch.nn.utils.clip_grad_norm_), but under ZeRO each rank holds only its shard of the reduced "
+            "gradients. Pass max_grad_norm=... to socompile.AdamW (it clips over the global norm) and drop the "
+            "script's clip.")
+    if opt.max_grad_norm is not None and not opt.warned_script_clip:
+        opt.warned_script_clip = True
+        warnings.warn(
+            f"socompile.AdamW: the training script changed the gradients between backward() and step() (its own "
+            f"clip_grad_norm_ or similar). They are used as the script left them, and the optimizer's "
+            f"max_grad_norm={opt.max_grad_norm} is not applied on top: clipping happens once, the script's. Keep "
+            f"one of the two; with max_grad_norm alone, clipping is known while backward steps the buckets and "
+            f"no bucket is stepped twice.", stacklevel=3)
+    for bucket in buckets:
+        bucket.wait_grads()
+        if bucket.speculated:
+            roll_back(opt, bucket)
+        elif bucket.stepped:
+            bucket.swap_in_spare()   # the spare holds the state before backward's step, whole
+            bucket.stepped = False
+            opt.events.record("rollback", bucket.index)
+        bucket.take_script_gradients()
+        bucket.partial = None   # the norm partial is taken again, of the script's gradients
+    opt.events.record("script_gradients")
 
 
 def step_now(opt: "AdamW", bucket: FlatBucket, grad_scale: float) -> None:

@@ -131,6 +131,8 @@ class FlatBucket(HostMasterCopies):
         self.kernel_threads = None  # OpenMP threads of the CPU kernel for this bucket (option optimizer_threads)
         self.spare = None          # (master, exp_avg, exp_avg_sq) of the ping-pong spare, allocated on first use
         self._views: dict[tuple[int, int], torch.Tensor] = {}
+        self._grad_version = None  # the landing buffer's version once backward delivered (see script_changed)
+        self._script_changed = False  # separate master: a script's clip changed the held gradients
 
     def _state_buffer(self, n: int, purpose: str, crosses: bool | None = None,
                       dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -394,7 +396,58 @@ class FlatBucket(HostMasterCopies):
         for i, p in enumerate(self.params):
             p.data = self.view(self.master, i)
 
+    def note_gradients_delivered(self) -> None:
+        """Backward has written this bucket's gradients: remember the landing buffer's version counter. The
+        script's ``.grad`` tensors are views of it (shared master), so any in-place change the script makes
+        before ``step()`` (its own ``clip_grad_norm_``, ``clip_grad_value_``, ``GradScaler.unscale_``, a
+        manual ``mul_``) bumps that counter; our kernel writes through raw pointers and never does."""
+        if not self.mirror:
+            self._grad_version = self.grad._version
+
+    def script_changed_gradients(self) -> bool:
+        """Whether the training script changed the gradients backward delivered: in place (the version
+        counter moved), by assigning another tensor to ``.grad``, or by setting it to None."""
+        if self._script_changed:
+            return True
+        if self._grad_version is None:
+            return False
+        if self.grad._version != self._grad_version:
+            return True
+        return any(present and (p.grad is None or p.grad.data_ptr() != self.view(self.grad, i).data_ptr())
+                   for i, (p, present) in enumerate(zip(self.params, self.has_grad)))
+
+    def held_gradient(self, i: int) -> torch.Tensor | None:
+        """Separate master: parameter i's gradient as this bucket holds it on the host (``.grad`` stays None),
+        for a script's own clipping (optim/script_clip.py); None where there is none or only a shard of it."""
+        if not self.mirror or not self.has_grad[i] or self.sharded or self.device_shard is not None:
+            return None
+        self.wait_grads()   # the copy from the device (and staged micro-batches) first
+        return self.view(self.grad, i)
+
+    def note_script_change(self) -> None:
+        """The training script changed the gradients ``held_gradient`` gave it."""
+        self._script_changed = True
+
+    def take_script_gradients(self) -> None:
+        """Make the landing buffer hold the gradients as the script left them: a ``.grad`` the script
+        replaced is copied in (and ``.grad`` is again the view), one it set to None is no gradient (torch's
+        AdamW skips such a parameter). A separate master's ``.grad`` stays None: its script changed the held
+        gradients in place (``held_gradient``)."""
+        for i, p in enumerate(self.params):
+            if self.mirror or not self.has_grad[i]:
+                continue
+            view = self.view(self.grad, i)
+            if p.grad is None:
+                self.has_grad[i] = False
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+                p.grad = view
+        self._grad_version = self.grad._version
+        self._script_changed = False
+
     def reset_iteration(self) -> None:
+        self._grad_version = None
+        self._script_changed = False
         self.arrivals = 0
         self.stepped = False
         self.speculated = None

@@ -26,6 +26,7 @@ class SpeculationStats:
     rolled_back: int = 0          # speculative bucket steps undone
     redone: int = 0               # rolled back and stepped again with clipped gradients
     held: int = 0                 # CPU buckets not speculated because clipping was certain or predicted
+    script_changed_steps: int = 0  # steps whose gradients the training script changed after backward (redone)
     seconds_speculating: float = 0.0
     seconds_validating: float = 0.0
 
