@@ -1,7 +1,9 @@
 """socompile.AdamW: a drop-in ``torch.optim.Optimizer`` whose step runs per gradient bucket on the CPU.
 
-Semantics are torch.optim.AdamW's (and its state_dict layout), plus ``max_grad_norm``: clipping must be known
-while steps are speculated, so it is an optimizer argument rather than a separate ``clip_grad_norm_`` call.
+Semantics are torch.optim.AdamW's (and its state_dict layout), plus ``max_grad_norm``: clipping known while
+steps are speculated, so that backward's bucket steps stand. A script's own ``clip_grad_norm_`` (or any other
+change to the gradients between ``backward()`` and ``step()``) is honoured too, at the price of stepping the
+changed buckets again in ``step()`` (optim/validation.py ``undo_for_script_gradients``, optim/script_clip.py).
 
 Compiled with ``backend="superoffload"``, the backward graph hands each bucket's gradients to this optimizer
 as soon as they exist, and the CPU worker steps the bucket at once while backward goes on:
