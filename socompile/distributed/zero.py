@@ -178,7 +178,7 @@ class ZeroSharding:
             work.wait()
         shard = self.shard_of(bucket)
         recv.div_(self.world)
-        bucket.grad[shard.lo:shard.hi].copy_(recv[:shard.hi - shard.lo])
+        bucket.take_reduced_shard(shard.lo, recv[:shard.hi - shard.lo])
         self._reduced.add(id(bucket))
 
     def discard(self, buckets) -> None:

@@ -404,6 +404,13 @@ class FlatBucket(HostMasterCopies):
         if not self.mirror:
             self._grad_version = self.grad._version
 
+    def take_reduced_shard(self, lo: int, averaged: torch.Tensor) -> None:
+        """ZeRO: this rank's shard of the averaged gradients replaces its local ones. Our own write, so the
+        version counter that detects a script's change is re-read after it."""
+        self.grad[lo:lo + averaged.numel()].copy_(averaged)
+        if self._grad_version is not None:
+            self._grad_version = self.grad._version
+
     def script_changed_gradients(self) -> bool:
         """Whether the training script changed the gradients backward delivered: in place (the version
         counter moved), by assigning another tensor to ``.grad``, or by setting it to None."""
