@@ -109,6 +109,18 @@ def test_without_a_script_change_nothing_is_redone():
     assert_same_params(model, ref)
 
 
+@pytest.mark.parametrize("max_norm", [math.inf, 1e6], ids=["inf (the Trainer logging its norm)", "not reached"])
+@pytest.mark.parametrize("options", [{}, dict(_emulated=True)], ids=["shared master", "separate master"])
+def test_a_clip_that_changes_nothing_redoes_nothing_and_returns_torchs_norm(monkeypatch, max_norm, options):
+    if options.pop("_emulated", False):
+        _emulate(monkeypatch)
+    model, ref, opt, norms = _train(_clip_norm(max_norm), steps=3)
+    assert opt.stats["script_changed_steps"] == 0
+    assert_same_params(model, ref, atol=5e-5)   # FP32_ATOL of tests/test_emulated_training.py: same argument
+    for ours, theirs in norms:
+        assert math.isclose(float(ours), float(theirs), rel_tol=1e-5), (float(ours), float(theirs))
+
+
 def test_a_script_change_after_an_inplace_step_that_cannot_be_undone_is_refused_naming_the_fix():
     # Driven as a compiled backward drives it (one bucket, stepped in place: rollback="inverse").
     torch.manual_seed(0)

@@ -48,12 +48,18 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     params = _as_list(parameters)
     held = _held(params)
     original = getattr(clip_grad_norm_, _WRAPPED)
-    if not held:
+    if not held and not any(owner_of(p) is not None for p in params):
         return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
     grads = [p.grad for p in params if p.grad is not None] + [g for _, g in held]
     total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
     # torch's clip_grads_with_norm_: one clamped coefficient, multiplied into every gradient on its device.
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    # A coefficient of exactly 1 (the norm is under max_norm, or max_norm is inf: the HF Trainer's way of
+    # logging the norm without clipping) changes no value, so the gradients are left untouched: a multiply
+    # would bump their version counter, and step() would redo what backward stepped for nothing. Deciding
+    # reads the coefficient on the host, which socompile's gradients are on anyway.
+    if bool(coef == 1.0):
+        return total
     for g in grads:
         g.mul_(coef.to(g.device))
     for bucket in {id(b): b for b, _ in held}.values():
