@@ -532,7 +532,7 @@ def test_cuda_upload_runs_on_the_h2d_stream_after_the_gradient_event_and_the_com
     grad_event = bucket.grad_event.event.name
     bucket.wait_grads()
     api.calls.clear()
-    step_bucket(bucket, [dict(HYP, eps=1e-8, decoupled=True)], final=True)
+    step_bucket(bucket, [dict(HYP, eps=1e-8, decoupled=True)])
     bucket.upload()
     kinds = [c[0] for c in api.calls]
     # h2d waits for the gradient event (compute is past the last read of these weights) and for compute
@@ -554,7 +554,7 @@ def test_cuda_upload_runs_on_the_h2d_stream_after_the_gradient_event_and_the_com
         assert bucket._stage16 is not None and torch.equal(bucket._stage16, bucket.master.to(dtype))
     # the next step first waits for the upload that reads the host buffers it rewrites
     api.calls.clear()
-    step_bucket(bucket, [dict(HYP, eps=1e-8, decoupled=True)], final=True)
+    step_bucket(bucket, [dict(HYP, eps=1e-8, decoupled=True)])
     assert api.calls[0] == ("event_synchronize", upload)
 
 
@@ -787,10 +787,11 @@ def test_cuda_flow_buckets_free_their_device_storage_and_nothing_recompiles():
     assert backend.compiled[0].offload.live_fetched() == 0
 
 
-def test_a_final_step_of_bf16_weights_writes_them_in_the_kernel_pass_and_a_commit_casts_them_at_upload(monkeypatch):
-    """CPU build, bf16 parameters: a final in-place step has the kernel write the bf16 weights in the same pass
-    (param_bf16_out, RNE like .to(bfloat16)), so the upload copies nothing; a committed ping-pong step casts the
-    whole bucket at upload."""
+def test_every_step_of_bf16_weights_writes_them_in_the_kernel_pass_and_an_undone_one_is_cast_again(monkeypatch):
+    """CPU build, bf16 parameters: every kernel step (in place, into the spare, the redo after a rollback) has
+    the kernel write the bf16 weights in the same pass (param_bf16_out, RNE like .to(bfloat16)), so the upload
+    after a commit copies nothing; a step into the spare that is dropped (rolled back) leaves the weights
+    marked as the spare's, and the upload casts the current master again."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(37, 5).to(torch.bfloat16)),
               torch.nn.Parameter(torch.randn(20).to(torch.bfloat16))]
@@ -798,29 +799,39 @@ def test_a_final_step_of_bf16_weights_writes_them_in_the_kernel_pass_and_a_commi
     bucket.group_of = [0, 0]
     bucket.adopt({})
     groups = [dict(HYP, eps=1e-8, decoupled=True)]
-    copies = []
     original = torch.Tensor.copy_
 
-    def spy(self, other, non_blocking=False):
-        copies.append(self.data_ptr() == bucket.weights.data_ptr())
-        return original(self, other, non_blocking=non_blocking)
+    def upload_copies():
+        copies = []
 
-    for step in (1, 2):
-        bucket.receive_many([0, 1], [torch.randn(p.shape).to(torch.bfloat16) for p in params], accumulate=False)
-        before = bucket.weights.clone()
-        if step == 1:
-            step_bucket(bucket, groups, final=True)
-            assert not torch.equal(bucket.weights, before)        # written by the kernel, before any upload
-        else:
-            step_bucket(bucket, groups, into_spare=True)
-            assert torch.equal(bucket.weights, before)            # a speculative step leaves the weights alone
-            bucket.swap_in_spare()
-        bucket.steps = [s + 1 for s in bucket.steps]
+        def spy(self, other, non_blocking=False):
+            copies.append(self.data_ptr() == bucket.weights.data_ptr())
+            return original(self, other, non_blocking=non_blocking)
         monkeypatch.setattr(torch.Tensor, "copy_", spy)
         bucket.upload()
         monkeypatch.setattr(torch.Tensor, "copy_", original)
-        assert copies == ([] if step == 1 else [True])
+        return copies
+
+    for how in ("in place", "into the spare", "dropped", "redone"):
+        bucket.receive_many([0, 1], [torch.randn(p.shape).to(torch.bfloat16) for p in params], accumulate=False)
+        before, master_before = bucket.weights.clone(), bucket.master.clone()
+        if how == "in place":
+            step_bucket(bucket, groups)
+        else:
+            step_bucket(bucket, groups, into_spare=True)
+            assert torch.equal(bucket.master, master_before)      # the current master is untouched
+        assert not torch.equal(bucket.weights, before)            # written by the kernel, before any upload
+        if how == "into the spare":
+            bucket.swap_in_spare()
+        elif how == "redone":                                    # validation's redo: in place, over the same
+            step_bucket(bucket, groups, grad_scale=0.5)          # segments, after dropping the spare's step
+        if how != "dropped":
+            bucket.steps = [s + 1 for s in bucket.steps]
+        assert bucket.dirty                                       # the weights differ from before: upload
+        assert upload_copies() == ([True] if how == "dropped" else [])
         assert torch.equal(bucket.weights, bucket.master.to(torch.bfloat16))
+        if how == "dropped":
+            assert torch.equal(bucket.weights, before)            # the undone step is gone from the weights
         assert all(p.data_ptr() == bucket.view(bucket.weights, i).data_ptr() for i, p in enumerate(params))
 
 

@@ -285,7 +285,7 @@ class AdamW(torch.optim.Optimizer):
                 step_bucket(bucket, self.param_groups, into_spare=True)
                 bucket.swap_in_spare()
             else:
-                step_bucket(bucket, self.param_groups, final=True)
+                step_bucket(bucket, self.param_groups)
             bucket.stepped = True
             if self._sharding is None:   # ZeRO: only this rank's window is new; step() uploads after the gather
                 bucket.upload()   # separate host master: the new weights go to the device while backward goes on

@@ -164,7 +164,7 @@ def undo_for_script_gradients(opt: "AdamW", buckets: list[FlatBucket]) -> None:
 def step_now(opt: "AdamW", bucket: FlatBucket, grad_scale: float) -> None:
     """Step ``bucket`` now, final (no speculation: validated already, or nothing to validate)."""
     opt.events.record("step_start", bucket.index)
-    step_bucket(bucket, opt.param_groups, grad_scale, final=True)
+    step_bucket(bucket, opt.param_groups, grad_scale)
     bucket.stepped = True
     opt.events.record("step_end", bucket.index)
 

@@ -57,28 +57,24 @@ def _hyper(group: dict, step: int) -> dict:
 
 @ranges.ranged(ranges.BUCKET_STEP, ranges.own_bucket)
 def step_bucket(bucket: FlatBucket, groups: list[dict], grad_scale: float = 1.0,
-                into_spare: bool = False, final: bool = False) -> tuple[float, bool]:
+                into_spare: bool = False) -> tuple[float, bool]:
     """AdamW/Adam step of every segment of ``bucket`` that has a gradient, at step count ``steps[i] + 1``.
     ``into_spare``: read the current state, write the ping-pong spare (current state untouched).
-    ``final``: the step will not be rolled back, so a bucket with bf16 device weights (separate host master)
-    gets their bf16 copy written by the kernel in the same pass (``FlatBucket.low_out``).
+    A bucket with bf16 device weights (separate host master) gets their bf16 copy written by the kernel in
+    the same pass, in place or into the spare (``FlatBucket.low_out``): a commit then has no cast left to do,
+    and a step that is undone leaves the copy marked as the other master's (cast again at upload).
     A bucket whose buffers are on a GPU (device-stepped), or float64, is stepped by torch's fused kernel.
     Returns the statistics of the scaled gradients. Step counts are bumped by the caller at commit."""
     if _torch_ops(bucket):
         from .device_adam import fused_step
         bucket.before_host_write()
         outputs = bucket.spare_buffers() if into_spare else None
-        if outputs is None:
-            bucket.dirty, bucket._low_synced = True, False
+        bucket.kernel_stepped(into_spare, wrote_low=False)
         return fused_step(bucket, groups, grad_scale, outputs=outputs)
     kernel = _kernel()
     bucket.before_host_write()
     outputs = bucket.spare_buffers() if into_spare else None
-    low = bucket.low_out() if final and not into_spare else None
-    if not into_spare:
-        bucket.dirty = True
-        if low is None:
-            bucket._low_synced = False
+    low = bucket.low_out(into_spare)
     total, nonfinite = 0.0, False
     with _kernel_threads(kernel, bucket):
         for start, end, gi, step in bucket.runs(bucket.group_of):
@@ -93,6 +89,7 @@ def step_bucket(bucket: FlatBucket, groups: list[dict], grad_scale: float = 1.0,
                                       bucket.exp_avg_sq[loc], grad_scale=grad_scale,
                                       **_hyper(groups[gi], step), **out)
             total, nonfinite = total + s, nonfinite or bad
+    bucket.kernel_stepped(into_spare, wrote_low=low is not None)
     return total, nonfinite
 
 
@@ -113,7 +110,7 @@ def grad_stats(bucket: FlatBucket) -> tuple[float, bool]:
 def rollback_inplace(bucket: FlatBucket, groups: list[dict], grad_scale: float) -> None:
     """Undo an in-place step with the algebraic inverse (memory-tight mode; not bitwise)."""
     bucket.before_host_write()
-    bucket.dirty, bucket._low_synced = True, False
+    bucket.master_changed()
     if _torch_ops(bucket):
         from .device_adam import inverse_step
         inverse_step(bucket, groups, grad_scale)

@@ -285,7 +285,7 @@ class FlatBucket(HostMasterCopies):
             return
         if self.weights is not None:
             self.weights.copy_(self.master)
-            self._low_synced = True
+            self.low_synced()
         for i, p in enumerate(self.params):
             p.data = self.view(self.master if self.weights is None else self.weights, i)
         self.free_weights()
@@ -379,7 +379,7 @@ class FlatBucket(HostMasterCopies):
             spare_master.copy_(previous)
             self.spare = (spare_master, self.exp_avg, self.exp_avg_sq)
             self.exp_avg, self.exp_avg_sq = spare_m, spare_v
-            self.dirty, self._low_synced = True, False   # separate master: the window changed (gather: the rest)
+            self.master_changed()   # separate master: the window changed (gather: the rest)
             return
         spare_master, spare_m, spare_v = self.spare
         for i, present in enumerate(self.has_grad):
@@ -390,7 +390,8 @@ class FlatBucket(HostMasterCopies):
                 spare_v[seg].copy_(self.exp_avg_sq[seg])
         self.spare = (self.master, self.exp_avg, self.exp_avg_sq)
         self.master, self.exp_avg, self.exp_avg_sq = spare_master, spare_m, spare_v
-        self.dirty, self._low_synced = True, False
+        self.dirty = True
+        self.low_swapped()
         if self.mirror and self.weights is not None:
             return   # the parameters stay views of the device weights; upload() brings the new master there
         for i, p in enumerate(self.params):

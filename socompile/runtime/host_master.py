@@ -59,6 +59,8 @@ class UploadStaging:
 
 HALF_WEIGHTS = (torch.bfloat16, torch.float16)   # weights cast from the fp32 master into a pinned 2-byte stage
 
+LOW_CURRENT, LOW_SPARE, LOW_STALE = "current", "spare", "stale"   # what a bucket's bf16 copy holds
+
 
 def flat_real(t: torch.Tensor) -> torch.Tensor:
     """``t`` flattened as a bucket stores it: a complex tensor as its interleaved (real, imaginary) elements
@@ -106,8 +108,11 @@ class HostMasterCopies:
         self._stage_acc = None         # CUDA accumulation: pinned landing for micro-batches 2.., in grad's dtype
         self.upload_staging = None     # UploadStaging: the device casts the uploads (plan's cast_site "device")
         self._stage16 = None           # CUDA bf16 weights: pinned bf16 copy of master, uploaded as is
-        self._low_synced = True        # the bf16 copy the kernel may write (weights on the CPU, _stage16 on CUDA)
-        #                                equals master cast to bf16
+        # What the bf16 copy the kernel may write (``low_out``: weights on the CPU build, _stage16 on CUDA) holds:
+        # the current master cast to bf16, the spare's (a step into the spare wrote it; a commit's swap makes
+        # it current), or neither (cast again before it is read).
+        self._low_holds = LOW_CURRENT
+        self._low_spare_grads = ()   # LOW_SPARE: the segments (has_grad) whose copy holds the spare's values
 
     def master_crosses(self) -> bool:
         """The host master is read by copies to the device (pinned on CUDA) when the weights are not bf16: their
@@ -122,21 +127,58 @@ class HostMasterCopies:
         """Host buffers that the runtime's copy streams read or write asynchronously (pinned)."""
         return self.mirror and self.site == "cpu" and self.runtime is not None and self.runtime.kind == "cuda"
 
-    def low_out(self) -> torch.Tensor | None:
-        """Where a final in-place kernel step may write the bf16 copy of the updated master in the same pass:
-        the device weights themselves on the CPU build (they are host memory) for a stationary bucket; the
-        (pinned) bf16 stage that is uploaded as is on CUDA, and that a flow bucket's fetches read; None when the
-        weights are not bf16 or the bucket is stepped on the device. Only valid while that copy is in sync with
-        the master (else the whole bucket is cast at upload)."""
+    def low_out(self, into_spare: bool = False) -> torch.Tensor | None:
+        """Where a kernel step may write the bf16 copy of the master it computes, in the same pass: the device
+        weights themselves on the CPU build (they are host memory) for a stationary bucket; the (pinned) bf16
+        stage that is uploaded as is on CUDA, and that a flow bucket's fetches read; None when the weights are
+        not bf16 or the bucket is stepped on the device. Only while that copy holds the current master (the
+        kernel writes the segments it steps; the others must already be right). A step ``into_spare`` of a
+        sharded bucket writes the window's spare only, so it gets none (its commit casts at upload)."""
         if self.weights is None or self.site != "cpu" or self.dtype != torch.bfloat16 or self.device_casts:
             return None
         if self.device_shard is not None:   # device-side ZeRO: the shard is cast into its own stage at upload
             return None
-        if not self._low_synced:
+        if into_spare and self.sharded:
+            return None
+        # The kernel writes the segments with gradients; the others must hold the current master's cast. After a
+        # step into the spare they do, and a new step over the same segments (a redo) overwrites all the rest.
+        spare_ok = self._low_holds == LOW_SPARE and tuple(self.has_grad) == self._low_spare_grads
+        if self._low_holds != LOW_CURRENT and not spare_ok:
             return None
         if self.flow or (self.runtime is not None and self.runtime.kind == "cuda"):
             return self._stage16
         return self.weights
+
+    def kernel_stepped(self, into_spare: bool, wrote_low: bool) -> None:
+        """A kernel step ran: in place, the master changed (its bf16 copy with it when ``wrote_low``); into the
+        spare, the current master is untouched and the copy, when written, holds the spare's."""
+        if into_spare:
+            if wrote_low:   # the device-side copy no longer matches the current master: upload before a read
+                self._low_holds, self._low_spare_grads = LOW_SPARE, tuple(self.has_grad)
+                self.dirty = True
+            return
+        self.dirty = True
+        self._low_holds = LOW_CURRENT if wrote_low else LOW_STALE
+
+    def low_swapped(self) -> None:
+        """The spare and the current master traded places (``swap_in_spare``, which first makes them equal on the
+        segments without gradients): the bf16 copy that held one now holds the other."""
+        if self._low_holds == LOW_CURRENT:
+            self._low_holds, self._low_spare_grads = LOW_SPARE, tuple(self.has_grad)
+        elif self._low_holds == LOW_SPARE:
+            self._low_holds = LOW_CURRENT
+
+    def low_in_sync(self) -> bool:
+        """The bf16 copy holds the current master cast to bf16."""
+        return self._low_holds == LOW_CURRENT
+
+    def low_stale(self) -> None:
+        """The bf16 copy no longer holds a cast of either master (a new stage, a rewritten window)."""
+        self._low_holds = LOW_STALE
+
+    def low_synced(self) -> None:
+        """The bf16 copy was just cast from the current master."""
+        self._low_holds = LOW_CURRENT
 
     @property
     def device_casts(self) -> bool:
@@ -149,13 +191,13 @@ class HostMasterCopies:
         """What a flow fetch in ``dtype`` reads: the bf16 stage when it holds the master cast to bf16 (half the
         bytes cross the link; the cast was done on the host, by the step's kernel or at upload), else the master
         (the copy converts)."""
-        if self._stage16 is not None and self._low_synced and dtype == self._stage16.dtype:
+        if self._stage16 is not None and self.low_in_sync() and dtype == self._stage16.dtype:
             return self._stage16
         return self.master
 
     def master_changed(self) -> None:
         """Something other than the kernel wrote the master: every copy of it must be made again."""
-        self.dirty, self._low_synced = True, False
+        self.dirty, self._low_holds = True, LOW_STALE
 
     def _sync_stage16(self) -> None:
         if self._stage16 is None:
@@ -163,11 +205,11 @@ class HostMasterCopies:
             self._stage16 = self.book_host(STAGING, self.runtime.host_buffer(self.numel, self.dtype)
                                            if self.runtime is not None else torch.empty(self.numel, dtype=self.dtype),
                                            pinned)
-            self._low_synced = False
-        if not self._low_synced:
+            self._low_holds = LOW_STALE
+        if not self.low_in_sync():
             self.before_host_write()
             self._stage16.copy_(self.master)
-            self._low_synced = True
+            self.low_synced()
 
     def before_host_write(self) -> None:
         """Before the kernel rewrites master / the bf16 stage: the upload that reads them must be done (CUDA)."""
@@ -199,9 +241,9 @@ class HostMasterCopies:
         self.traffic.add_copy("h2d", WEIGHT_UPLOAD, self.weights)   # bf16 cast on the host, or fp32 weights
         rt = self.runtime
         if rt is None or rt.kind == "cpu":
-            if self.dtype != torch.bfloat16 or not self._low_synced:
+            if self.dtype != torch.bfloat16 or not self.low_in_sync():
                 self.weights.copy_(self.master)
-            self._low_synced = True
+            self.low_synced()
             return
         src = self.master
         if self.dtype in HALF_WEIGHTS:   # cast on the host: half the bytes cross the link, as they land

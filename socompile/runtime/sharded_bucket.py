@@ -226,14 +226,14 @@ class DeviceShard:
 
     def host_source(self, bucket, dtype: torch.dtype) -> torch.Tensor:
         """What an upload of the shard in ``dtype`` reads: bf16, the pinned bf16 stage of the master shard (cast on
-        the host when the master changed since, ``_low_synced``: half the bytes cross); else the master shard
+        the host when the master changed since: half the bytes cross); else the master shard
         (the copy converts)."""
         if self.stage is None or dtype != self.stage.dtype:
             return bucket.master
-        if not bucket._low_synced:
+        if not bucket.low_in_sync():
             bucket.before_host_write()    # the previous upload read the stage: it must be done
             self.stage.copy_(bucket.master)
-            bucket._low_synced = True
+            bucket.low_synced()
         return self.stage
 
     def upload_into(self, bucket, window: torch.Tensor) -> tuple[torch.Tensor, object]:
@@ -303,7 +303,7 @@ def narrow_to_device_shard(bucket, rank: int, world: int) -> None:
     bucket._pending_adds.clear()
     bucket._views.clear()
     bucket.window, bucket.state_lo, bucket.host_lo = (lo, hi), lo, lo
-    bucket._low_synced = False   # the shard's bf16 stage is new: cast from the master at its first upload
+    bucket.low_stale()   # the shard's bf16 stage is new: cast from the master at its first upload
     bucket.device_shard = shard
 
 
