@@ -1,6 +1,6 @@
 """Build socompile_ext, the CPU optimizer kernels (C + Cython, OpenMP).
 
-Owned by the kernel work (issue 3). One extension module; every ISA's kernel is a separate C file in
+One extension module; every ISA's kernel is a separate C file in
 socompile_ext/csrc/ that enables its own instructions with `#pragma GCC target`, so the whole build uses
 the target's baseline flags (no -march): the wheel runs on any x86-64 / AArch64 CPU and picks the best
 path at run time (socompile_ext/csrc/adam_dispatch.c). torch is not needed to build.

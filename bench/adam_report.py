@@ -1,5 +1,5 @@
-"""What bench/adam.py prints from its timings: per-round paired ratios between methods, the goals of issue 3 on
-them, and the bytes per parameter behind those goals."""
+"""What bench/adam.py prints from its timings: per-round paired ratios between methods, the kernel's goals
+(docs/kernel.md) on them, and the bytes per parameter behind those goals."""
 from __future__ import annotations
 
 import statistics
@@ -53,7 +53,7 @@ def paired(alltimes, k, num, den):
 
 
 def print_ratios(configs, alltimes):
-    """Per-round paired ratios, then the goals of issue 3 on their medians."""
+    """Per-round paired ratios, then the kernel's goals on their medians."""
     print("Paired ratios (per round, time_numerator / time_denominator; > 1: the second-named side is faster): "
           "median [quartiles] (min-max)")
     goals = []
@@ -74,7 +74,7 @@ def print_ratios(configs, alltimes):
                       get("ours in-place", "ours ping-pong"), 0.97))
         goals.append((f"{tag}: never slower than DeepSpeedCPUAdam", get("deepspeed", "ours in-place"), 1.0))
         print()
-    print("Goals (issue 3), on the medians of the paired ratios")
+    print("Goals, on the medians of the paired ratios")
     for text, value, goal in goals:
         state = "n/a " if value is None else ("PASS" if value >= goal else "MISS")
         shown = "not measured" if value is None else f"{value:.2f} (goal >= {goal})"

@@ -2,7 +2,7 @@
 
     python bench/plan_time.py [--quick]     # --quick: 8/16/32 layers of llama-1b width only
 Plans trace 4 blocks and repeat one (capture/fold/); the 7B rows also time tracing every block, side by side.
-Goals (issue 4): 7B <= 15 s, 25B <= 45 s, < 2 GB RSS, time growing no faster than linearly in layers.
+Goals: 7B <= 15 s, 25B <= 45 s, < 2 GB RSS, time growing no faster than linearly in layers.
 """
 from __future__ import annotations
 

@@ -226,7 +226,7 @@ def test_kill_9_during_save_leaves_the_previous_checkpoint_loadable(tmp_path, mo
 
 
 # ---------------------------------------------------------------------------------------------- integrity
-# Issue 19 case 7: a checkpoint proves it is the one that was written (a crc32 per tensor) and that its values
+# A checkpoint proves it is the one that was written (a crc32 per tensor) and that its values
 # can be right; every refusal names the file and the entry, and nothing is loaded when the file is refused.
 
 def _trained(tmp_path, compiled=False):

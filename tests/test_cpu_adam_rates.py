@@ -1,6 +1,6 @@
 """The CPU Adam rates the planner and the ZeRO-Offload baseline use come from bench/adam.py's recorded
 measurement (socompile/hardware/cpu_adam_measured.json), scaled by each profile's memory bandwidth, not from
-a blog ratio (issue 18.4; docs/planner.md, "CPU Adam rates")."""
+a blog ratio (docs/planner.md, "CPU Adam rates")."""
 from __future__ import annotations
 
 import dataclasses

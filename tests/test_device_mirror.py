@@ -124,9 +124,8 @@ def test_forced_separate_master_with_inductor_compute_matches_the_shared_master(
     kernels (measured: shared vs shared differed in 16 parameters after 3 steps in one of three processes, by
     reduction order), so this uses the Inductor tolerance of tests/test_backend_training.py. What the separate
     master adds is checked exactly: every device weight is its master's value (uploaded after each step)."""
-    # Stationary + GPU-stepped here (the bf16 Inductor test below streams every CPU bucket). Inductor with only
-    # some buckets flowing, e.g. weight_mode="flow:4", fails in the shared mode too: a prefetch goes missing; a
-    # known bug of the flow passes under Inductor, not of the separate master.
+    # Stationary + GPU-stepped here (the bf16 Inductor test below streams every CPU bucket; Inductor with only
+    # some buckets flowing is tests/test_weight_flow.py's).
     options = dict(gpu_buckets=3, weight_mode="stationary")
     shared, so, _ = train("shared", options=options, compute="inductor")
     mirror, mo, _ = train("separate", options=options, compute="inductor")

@@ -534,7 +534,7 @@ FLOW_CASES = {
 }
 
 
-# Every case in the default suite (~40 s of CPU each; issue 16: dp 2 and 3, fp32 and bf16, accumulation).
+# Every case in the default suite (~40 s of CPU each; dp 2 and 3, fp32 and bf16, accumulation).
 @pytest.mark.parametrize("case", list(FLOW_CASES))
 def test_device_zero_flow_buckets_hold_1_over_w_and_equal_the_reference(case):
     world, dtype, mode, distance, accumulate = FLOW_CASES[case]

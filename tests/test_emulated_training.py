@@ -221,8 +221,9 @@ def test_emulated_training_matches_eager_adamw_over_20_seeds(monkeypatch, case):
 
 
 def test_without_the_keep_alive_inductor_reuses_a_gradient_buffer_under_its_d2h_copy(monkeypatch):
-    """Risk 1 of issue 17, both ways. The backward hands a bucket's gradients to bucket_grads_ready, whose D2H
-    copy is asynchronous; Inductor reuses a dead buffer for a later kernel ("bufN = bufM; del bufM  # reuse").
+    """The gradient D2H copy against Inductor's buffer reuse (docs/runtime.md, the emulated device's first risk),
+    both ways. The backward hands a bucket's gradients to bucket_grads_ready, whose D2H copy is asynchronous;
+    Inductor reuses a dead buffer for a later kernel ("bufN = bufM; del bufM  # reuse").
     Without socompile::grads_copied (today's code before the fix) the copy reads a rewritten buffer: a hazard.
     Each queued operation waits 20 ms here, far longer than the few kernels between the hand-over and the
     reuse, so the copy always runs after it."""

@@ -1,4 +1,4 @@
-"""socompile_ext: the CPU Adam/AdamW kernel (issue 3).
+"""socompile_ext: the CPU Adam/AdamW kernel (docs/kernel.md).
 
 Specification tests. Numbers that matter:
 - eps32 = 2**-24 is fp32's unit roundoff; every bound below is a small multiple of it times the size of the

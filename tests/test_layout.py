@@ -1,4 +1,4 @@
-"""The layout rules of issue 15, checked on the source text with ast (socompile is not imported):
+"""The layout rules of the code, checked on the source text with ast (socompile is not imported):
 
 - no import circles between socompile modules, counting imports inside functions too;
 - no ``global`` statement in socompile/;

@@ -1,9 +1,9 @@
-"""Several models of one class in one process: each trains with its own optimizer (issue 19, case 1).
+"""Several models of one class in one process: each trains with its own optimizer.
 
 Dynamo compiles a model class's forward once and runs that code for every instance (parameters are graph
 inputs, not guards). The backend must compile again for each model, so that its gradients step *its*
 optimizer: a fresh model, a ``copy.deepcopy``, teacher and student trained in turn, and a model whose optimizer
-was re-created (a newer socompile.AdamW takes the parameters over, issue 19 case 4).
+was re-created (a newer socompile.AdamW takes the parameters over).
 
 Reference: each model trained eagerly with its own torch.optim.AdamW on the same data. Tolerances: atol 1e-6
 with compute="eager" (same aten ops, same gradients; the CPU kernel's correctly rounded sqrt differs from
@@ -181,7 +181,7 @@ def test_model_without_socompile_optimizer_after_one_with_it_keeps_plain_grads()
 
 
 def test_compiled_model_follows_its_parameters_to_a_newer_optimizer():
-    # Issue 19 case 4: the cell that builds the optimizer is run again. The new optimizer starts fresh, as a new
+    # The cell that builds the optimizer is run again. The new optimizer starts fresh, as a new
     # torch.optim.AdamW would, and the compiled model's gradients must reach it, not the old one.
     backend = _backend()
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
-"""socompile.AdamW takes torch.optim.AdamW's arguments with torch's semantics and exception types (issue 19,
-cases 4 and 5): tensor lr (with an LR scheduler), bad betas / lr / eps / weight_decay (also per param group),
+"""socompile.AdamW takes torch.optim.AdamW's arguments with torch's semantics and exception types:
+tensor lr (with an LR scheduler), bad betas / lr / eps / weight_decay (also per param group),
 copies (deepcopy, pickle), complex parameters and float64 parameters (float64 optimizer state).
 
 Used eagerly: ``opt.step()`` takes the gradients from ``.grad``, through the same buckets and kernels as a

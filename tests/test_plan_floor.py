@@ -1,9 +1,9 @@
-"""The least device memory a plan needs (issue 19, case 6): with weight flow it is below what keeping every weight
+"""The least device memory a plan needs: with weight flow it is below what keeping every weight
 needs, it scales with the buckets and the tokens, the planner picks a bucket size that reaches it when the user
 pinned none, and the PlanError prints it in adaptive units as a number a budget can be set to.
 
 The model: eight Linear(512, 512) (8.4 MB of fp32 weights in 1 MB matrices) on 4 tokens, with a device budget of
-60% of its weights, the shape of the report in issue 19 (an 8.5 MB model, 4 tokens, 60%).
+60% of its weights, the shape of a reported failure (an 8.5 MB model, 4 tokens, 60%).
 
 Tolerance of the training test: atol 1e-6, the argument of tests/test_backend_training.py (compute="eager" runs
 the same aten ops as eager PyTorch on a bitwise copy of the weights; fp32 weights and gradients cross the link

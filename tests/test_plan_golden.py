@@ -1,4 +1,4 @@
-"""Plans are byte-identical to the ones recorded before the code was reshaped (issue 15: one pipeline, the
+"""Plans are byte-identical to the ones recorded before the code was reshaped (one pipeline, the
 performance model and hardware profiles in packages of their own). A difference here is a behaviour change:
 record anew (tests/golden_plans/record.py) only when a planner change means it, and say so in the commit."""
 from __future__ import annotations

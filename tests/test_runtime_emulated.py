@@ -1,6 +1,6 @@
 """The emulated CUDA device (runtime/emulated_cuda.py): the CUDA runtime's own code (runtime/device.py
 CUDARuntime) with real asynchrony on the CPU, its selection (option ``runtime``, SOCOMPILE_RUNTIME), and the
-risks of issue 17 it was built to expose (each test names its risk).
+risks it was built to expose (docs/runtime.md, "What it found") (each test names its risk).
 
 Delays: every queued operation waits 0..max_delay seconds. Tests that need a copy to be still in flight give the
 device a long delay (``slow``: 50 ms, far above the microseconds a host call takes between queuing and checking)."""

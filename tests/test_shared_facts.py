@@ -1,4 +1,4 @@
-"""Facts several layers share have one definition (issue 15): the activation choices and the dtype names."""
+"""Facts several layers share have one definition: the activation choices and the dtype names."""
 import pytest
 import torch
 

@@ -145,9 +145,9 @@ class ZeroSharding:
         shard = self.shard_of(bucket)
         # Separate host master: the copy-in of the device gradients (CUDA: async on the "d2h" stream, and staged
         # micro-batches still to add) must have landed in the host ``grad`` before the collective reads it.
-        # NOTE: on CUDA this blocks the training thread on that copy and reduces on the host (gloo); reducing the
-        # device gradients first (NCCL) and copying only this rank's shard to the host is the remaining
-        # optimisation (docs/distributed.md).
+        # NOTE: on CUDA only float64 state takes this host path (runtime/sharded_bucket.py device_shard_eligible:
+        # an fp32 master is reduced on the device, above); it blocks the training thread on that copy and reduces
+        # on the host (gloo).
         bucket.wait_grads()
         send = bucket.grad
         if shard.padded != bucket.numel or send.dtype != bucket.state_dtype:   # a bf16 landing buffer: sum in fp32

@@ -18,9 +18,10 @@ landing buffer (runtime/host_master.py), so perf/analysis.py does not count them
 Host (host_buffers; the runtime's HostLedger books the same buffers, runtime/memory.py), per CPU bucket of n
 padded elements: fp32 master (4n), Adam moments (8n), ping-pong spares for exact rollback (12n), the gradient
 landing buffer (n x link dtype), a staging copy (2n) that uploads and fetches of bf16 or fp16 weights read, and on
-CUDA with gradient accumulation an fp32 stage (4n); plus offloaded activations. Pinned: what copies to or from
-the device read or write (landing, staging, accumulation stage, activations, and the master of fp32 weights or of
-a device cast, which their uploads and fetches read); moments and spares never cross the link and are pageable.
+CUDA with gradient accumulation a stage in the landing dtype (n x link dtype); plus offloaded activations. Pinned:
+what copies to or from the device read or write (landing, staging, accumulation stage, activations, and the master
+of fp32 weights or of a device cast, which their uploads and fetches read); moments and spares never cross the link
+and are pageable.
 """
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ class HostLayout:
     pinned. ``shared_master``: the CPU runtime with fp32 CPU parameters (host_master 'shared'): the parameters
     alias the master and their fp32 gradients are the landing buffer; nothing crosses a link. ``accumulation``:
     grad_accumulation_steps > 1 (an optimizer argument, not a plan option): a CUDA bucket lands the later
-    micro-batches in an fp32 stage and adds them on the host."""
+    micro-batches in a stage of the landing buffer's dtype and adds them on the host."""
     pins: bool = True
     shared_master: bool = False
     accumulation: bool = False
