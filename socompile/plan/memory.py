@@ -4,8 +4,12 @@ Device (per step, at the activation peak):
     activations                         (graph liveness, or the checkpointing estimate; perf/analysis.py)
   + weights of stationary buckets       (numel * weight bytes; plus parameters without a socompile optimizer)
   + GPU-resident optimizer state        (fp32 master + m + v = 12 B/param, + the gradient kept to validation)
-  + gradient staging for CPU buckets    (2 buckets: one being filled, one on the link)
-  + weight-flow buffers                 ((max prefetch distance + 1) * largest flow bucket, in its link dtype)
+  + weight-flow buffers                 (their peak over the exact schedule, plan/flow_schedule.py; at least
+                                         (max prefetch distance + 1) * largest flow bucket, in its link dtype)
+  + gradient staging                    (what the backward's gradient tensors add to the flow buffers at the
+                                         peak of the two together, plan/step_timeline.py: each bucket's from the
+                                         node that makes it until the graph lets the bucket go, one bucket after
+                                         its own is ready)
   + upload staging for device casts     (2 * largest stationary CPU bucket, fp32)
   + ZeRO device buffers (world > 1)     (zero_device_bytes: per stationary CPU bucket its shard buffer and its
                                          weights' padding to W chunks, kept (a flow bucket keeps none); flat
@@ -13,8 +17,10 @@ Device (per step, at the activation peak):
                                          fills and one is reduced)
 Gradient staging is no buffer of the runtime's: it is the backward graph's own gradient tensors, held by a
 bucket's step node until the bucket is complete and by its device-to-host copy until it lands in the pinned
-landing buffer (runtime/host_master.py), so perf/analysis.py does not count them as activations. The floor of a plan
-(planner._min_device) therefore scales with the largest bucket, and bucket_size with it.
+landing buffer (runtime/host_master.py), so perf/analysis.py does not count them as activations. Flow buffers and
+gradients are walked together: a flow bucket's buffer and the gradients of the buckets around it are what is
+live at once, where twice the largest bucket would count a dominant parameter's gradient twice and its forward
+flow buffer beside its backward gradient. The floor of a plan (planner._min_device) scales with the buckets.
 Host (host_buffers; the runtime's HostLedger books the same buffers, runtime/memory.py), per CPU bucket of n
 padded elements: fp32 master (4n), Adam moments (8n), ping-pong spares for exact rollback (12n), the gradient
 landing buffer (n x link dtype), a staging copy (2n) that uploads and fetches of bf16 or fp16 weights read, and on
@@ -33,6 +39,7 @@ from ..ledger_names import (ACCUMULATION, ACTIVATIONS, HOST_PURPOSES, LANDING, M
                             STAGING)
 from .bucketize import ALIGN
 from .plan import BucketPlan
+from .step_timeline import StepPeak
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,23 +50,29 @@ class MemoryEstimate:
     host_total: int
     host_pinned: int
     host_parts: tuple[tuple[str, int], ...]
+    step: StepPeak | None = None  # where flow buffers + gradients peak, and what is live there (PlanError)
 
 
 def device_memory(buckets: list[BucketPlan], weight_bytes: int, activations: float, activations_expr,
                   unoptimized_numel: int, adaptive_flow: set[int] | None = None, world: int = 1,
-                  flow_at_least: int = 0) -> MemoryEstimate:
+                  step: StepPeak | None = None) -> MemoryEstimate:
     """Per rank. With ``world`` ZeRO ranks, a device-site bucket keeps 1/world of its fp32 master and moments
     (12 B/param / world) beside its whole gradient and compute weights; uploads carry one shard.
-    ``flow_at_least``: the flow buffers the runtime's exact schedule holds at once (flow_buffer_peak), when
-    more than (distance + 1) of the largest (small buckets read by one node are live together)."""
+    ``step``: the joint peak of flow buffers and gradient tensors over the step (step_timeline.step_peak); the
+    flow buffers are its flow peak when more than (distance + 1) of the largest (small buckets read by one node
+    are live together), the gradient staging what the gradients add on top at the joint peak. Without it
+    (callers with no IR), two of the largest buckets' gradients."""
     stationary = sum(b.numel for b in buckets if b.weight_mode == "stationary") + unoptimized_numel
     gpu_state = sum(b.numel for b in buckets if b.optimizer_site == "device")
     cpu = [b for b in buckets if b.optimizer_site == "cpu"]
     flow = [b for b in buckets if b.weight_mode == "flow"]
-    staging = 2 * max((b.numel * max(weight_bytes, dtype_bytes(b.link_dtype)) for b in cpu), default=0)
     flow_buffers = (max((b.prefetch_distance for b in flow), default=0) + 1) * max(
         (b.numel * dtype_bytes(b.param_link_dtype) for b in flow), default=0) if flow else 0
-    flow_buffers = max(flow_buffers, flow_at_least)
+    if step is None:
+        staging = 2 * max((b.numel * max(weight_bytes, dtype_bytes(b.link_dtype)) for b in cpu), default=0)
+    else:
+        flow_buffers = max(flow_buffers, step.flow_peak)
+        staging = step.total - step.flow_peak
     upload = 2 * max((b.numel * 4 for b in cpu if b.weight_mode == "stationary" and b.cast_site == "device"
                       and weight_bytes == 2), default=0) // max(1, world)
     parts = (("activations", activations), ("stationary weights", stationary * weight_bytes),
@@ -74,7 +87,7 @@ def device_memory(buckets: list[BucketPlan], weight_bytes: int, activations: flo
     expr = sympy.Add(activations_expr, fixed) if not isinstance(activations_expr, (int, float)) \
         else activations_expr + fixed
     return MemoryEstimate(device_peak=sum(v for _, v in parts), device_expr=expr, device_parts=parts,
-                          host_total=0, host_pinned=0, host_parts=())
+                          host_total=0, host_pinned=0, host_parts=(), step=step)
 
 
 def zero_device_bytes(numels: list[int], world: int, weight_bytes: int, flow: list[bool] | None = None) -> dict:
@@ -186,19 +199,6 @@ def runtime_host_bytes(plan, ir, layout: HostLayout = HostLayout(), world: int =
     return host_buffers(list(plan.buckets), plan.prediction("param_dtype_bytes", 4), world,
                         int(plan.prediction("activations_offloaded_bytes", 0)), padded_numels(plan.buckets, ir),
                         layout, weight_dtype(plan))
-
-
-def flow_buffer_peak(buckets, ir, align: int | None = None, spans_cache: dict | None = None) -> int:
-    """Bytes of flow buffers live at once over the exact schedule (plan/flow_schedule.py), as the runtime
-    allocates them (padded segments, the link dtype)."""
-    from .flow_schedule import bucket_flow_schedule, flow_peak
-    flow = [b for b in buckets if b.weight_mode == "flow"]
-    if not flow:
-        return 0
-    align = ALIGN if align is None else align
-    nbytes = {b.index: padded_numel([ir.params[p].numel for p in b.params], align) * dtype_bytes(b.param_link_dtype)
-              for b in flow}
-    return flow_peak(bucket_flow_schedule(buckets, ir, spans_cache), nbytes)[0]
 
 
 def padded_numel(numels, align: int) -> int:

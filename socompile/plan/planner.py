@@ -245,7 +245,8 @@ def _fitting_buckets(template: _Context, order: list[str], decisions: list[str])
             return ctx, base, recompute
         floors.append((minimum.device_peak, size, ctx, minimum, recompute, base))
     _, size, ctx, minimum, recompute, base = min(floors, key=lambda f: (f[0], -f[1]))
-    raise PlanError(infeasible_message(ctx, minimum, recompute, bucket_text(ctx, base, chosen=len(sizes) > 1)))
+    raise PlanError(infeasible_message(ctx, minimum, recompute, bucket_text(ctx, base, chosen=len(sizes) > 1),
+                                     base))
 
 
 def _base_buckets(ir: IR, order: list[str], bucket_size: int, ctx: _Context, decisions: list[str]):
