@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import socompile
 from socompile.options import parse_bytes
 from socompile.plan.planner import PlanError
+from socompile.plan.step_timeline import gradient_release, ready_sequence
 from socompile.runtime.emulated_cuda import emulated_device
 from training_helpers import assert_same_params
 
@@ -236,12 +237,13 @@ def refusal(budget: int) -> str:
     """The PlanError of compiling the reported shape, with its optimizer, at ``budget`` bytes."""
     torch.manual_seed(0)
     model = make("reported")
-    opt = socompile.AdamW([p for p in model.parameters() if p.requires_grad], **HYP)   # noqa: F841 (owns them)
+    opt = socompile.AdamW([p for p in model.parameters() if p.requires_grad], **HYP)
     x, y = data("reported", 1)[0]
     backend = socompile.SuperOffload({"compute": "eager", "gpu_buckets": None, "bucket_size": "256KB",
                                       "device_memory_budget": budget, "runtime": "cpu"})
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:   # Dynamo wraps the backend's error
         torch.compile(model, backend=backend)(x, y)
+    del opt   # held through the compile: the owner of the parameters it plans
     assert isinstance(info.value.inner_exception, PlanError), info.value
     return str(info.value.inner_exception)
 
@@ -258,3 +260,24 @@ def test_the_reported_shape_plans_with_flow_and_trains_at_its_printed_floor(monk
     # 60% cannot hold 'big''s weight and gradient at once (the test above); its printed floor can.
     floor = re.search(r"needs at least ([0-9.]+ MB)", refusal(1000)).group(1)
     assert_plans_trains_and_holds_what_it_planned("reported", monkeypatch, parse_bytes(floor))
+
+
+def test_the_graph_lets_each_buckets_gradients_go_where_the_floor_counts_them(monkeypatch):
+    # plan/step_timeline.py counts a bucket's gradients until the next bucket_grads_ready in graph order (its
+    # grads_copied, on the emulated runtime as on CUDA): the backward graph must place them exactly so.
+    shape = "tied head and a frozen layer"
+    _, _, ctx, _ = train(shape, monkeypatch, device_memory_budget=int(0.6 * weight_bytes(make(shape))))
+    nodes = list(ctx.backward_graph.graph.nodes)
+    ready = [n for n in nodes if n.target is torch.ops.socompile.bucket_grads_ready.default]
+    assert [n.args[3] for n in ready] == [b.index for b in ready_sequence(ctx.plan.buckets)]
+    release = gradient_release(ctx.plan.buckets)
+    copied = [n for n in nodes if n.target is torch.ops.socompile.grads_copied.default]
+    assert len(copied) == len(ready) > 1
+    for n in copied:
+        before = n.prev     # the later bucket's bucket_grads_ready, or the last node before the output
+        gone = release[n.args[3]]
+        if gone is None:
+            assert n.next.op == "output" or n.next.target is torch.ops.socompile.grads_copied.default
+        else:
+            assert before.target is torch.ops.socompile.bucket_grads_ready.default
+            assert ctx.plan.buckets[before.args[3]].ready_position == gone, (n, before)

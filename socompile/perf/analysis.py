@@ -256,9 +256,9 @@ def _view_roots(ir: IR) -> dict[str, str]:
 
 
 def _partial_gradients(ir: IR, root: dict[str, str]) -> dict[str, str]:
-    """Backward tensors (node keys that own their storage) whose values flow only into gradients of optimized
-    parameters and are not one gradient's own storage, -> the parameter whose gradient they feed: the per-use
-    partial gradients of a weight read twice, added into its gradient."""
+    """Backward tensors (node keys that own their storage) whose values flow only into one optimized
+    parameter's gradient and are not that gradient's own storage, -> the parameter: the per-use partial
+    gradients of a weight read twice (added into its gradient), and the gradient that reaches an embedding."""
     g = ir.graph
     grads = {key: n for n, key in ir.grad_node.items() if ir.params[n].optimized}
     staged = {root[key] for key in grads}

@@ -26,8 +26,8 @@ def bucket_size_candidates(ctx: _Context, order: list[str]) -> list[int]:
 
 def bucket_size_line(ctx: _Context, size: int, peak: float, too_big: int) -> str:
     return (f"bucket size: {human_bytes(size)} (chosen: with {human_bytes(too_big)} buckets the least device memory "
-            f"any plan needs is {human_bytes(peak)}, over the budget of {human_bytes(ctx.budget)}: gradients of two "
-            f"buckets in flight and the weight-flow buffers scale with the bucket)")
+            f"any plan needs is {human_bytes(peak)}, over the budget of {human_bytes(ctx.budget)}: the gradients and "
+            f"weight-flow buffers live at once scale with the bucket)")
 
 
 def bucket_text(ctx: _Context, base, chosen: bool) -> str:

@@ -37,9 +37,9 @@ import sympy
 from ..dtypes import dtype_bytes, dtype_name, gradient_link_name
 from ..ledger_names import (ACCUMULATION, ACTIVATIONS, HOST_PURPOSES, LANDING, MASTER, MOMENTS, SPARES,
                             STAGING)
-from .bucketize import ALIGN
+from .bucketize import ALIGN, padded_numel
 from .plan import BucketPlan
-from .step_timeline import StepPeak
+from .step_timeline import StepPeak, flow_bytes_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,12 +201,6 @@ def runtime_host_bytes(plan, ir, layout: HostLayout = HostLayout(), world: int =
                         layout, weight_dtype(plan))
 
 
-def padded_numel(numels, align: int) -> int:
-    """Elements of a flat bucket laid out as runtime/flat_bucket.py does: each segment starts at a multiple
-    of ``align`` elements."""
-    return sum((n + align - 1) // align * align for n in numels)
-
-
 def weight_dtype(plan) -> str:
     """The name of ``plan``'s weights' dtype: recorded as "param_dtype" where their size does not say it (fp16),
     else named by ``param_dtype_bytes`` (2: bfloat16, 4: float32)."""
@@ -231,16 +225,14 @@ def runtime_device_bytes(plan, ir, align: int | None = None) -> dict:
     weight_bytes = plan.prediction("param_dtype_bytes", 4)
     world = plan_world(plan)
     stationary = state = 0
-    flow_bytes = {}
+    flow_bytes = flow_bytes_of(plan.buckets, ir, align, world)   # the flow buffers the floor walks, as allocated
     for b in plan.buckets:
         n = padded_numel([ir.params[p].numel for p in b.params], align)
         if b.optimizer_site == "device":
             state += 16 * n          # fp32 master, gradient, exp_avg, exp_avg_sq
             if weight_bytes != 4:    # bf16/fp16 weights: a device copy cast from that master (runtime/flat_bucket.py)
                 stationary += n * weight_bytes
-        if b.weight_mode == "flow":   # device-side ZeRO fetches windows of W equal chunks (the all-gather's output)
-            flow_bytes[b.index] = (n if world <= 1 else -(-n // world) * world) * dtype_bytes(b.param_link_dtype)
-        elif b.optimizer_site != "device":
+        if b.weight_mode != "flow" and b.optimizer_site != "device":
             stationary += n * weight_bytes   # a device-site bucket's weights are its fp32 master, counted above
     peak, per_phase = flow_peak(flow_schedule(plan, ir), flow_bytes)
     staging = upload_staging_bytes(plan, ir, align)

@@ -16,7 +16,7 @@ import dataclasses
 
 from ..capture.ir import IR
 from ..dtypes import dtype_bytes
-from .bucketize import ALIGN
+from .bucketize import ALIGN, padded_numel
 from .flow_schedule import PHASES, bucket_flow_schedule
 
 # Order of events at one node: fetches and waits before it, the tensor it makes, releases after it.
@@ -102,7 +102,6 @@ def _events(buckets, ir: IR, weight_bytes: int, flow_bytes: dict[int, int], span
 def flow_bytes_of(buckets, ir: IR, align: int = ALIGN, world: int = 1) -> dict[int, int]:
     """Bytes of each flow bucket's fetched buffer, as the runtime allocates it (padded segments, the link dtype;
     device-side ZeRO fetches windows of W equal chunks)."""
-    from .memory import padded_numel
     out = {}
     for b in buckets:
         if b.weight_mode == "flow":
