@@ -281,3 +281,18 @@ def test_the_graph_lets_each_buckets_gradients_go_where_the_floor_counts_them(mo
         else:
             assert before.target is torch.ops.socompile.bucket_grads_ready.default
             assert ctx.plan.buckets[before.args[3]].ready_position == gone, (n, before)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-tied"])
+def test_partial_gradients_are_weight_sized_and_token_sized_gradients_stay_activations(preset):
+    # The gradients flowing back to an embedding or a norm's weight are token-sized: counted as gradients they
+    # escaped the activation term (and checkpointing), 42.9 GB of "gradient staging" for bench/paper.py's 25B
+    # model. Only a weight-sized tensor feeding one weight's gradient is that weight's partial gradient.
+    from socompile.perf.analysis import analyze
+    from socompile.perf.cost import CostModel
+    from test_plan_helpers import profile, traced
+    ir = traced(preset)
+    partials = analyze(ir, CostModel(profile(), ir.symbol_values)).partial_gradients
+    assert all(nbytes == ir.params[p].numel * 4 for p, _, _, nbytes in partials), partials
+    # untied: no weight is read twice; tied: the embedding's two uses (lookup and head) each make one
+    assert {p for p, *_ in partials} == (set() if preset == "tiny" else {"tok_emb.weight"}), partials

@@ -130,11 +130,15 @@ def _by_dtype(ir: IR, cost: CostModel, keys) -> tuple[tuple[str, float], ...]:
     return tuple(sorted(out.items()))
 
 
+def _item_size(data: dict) -> int:
+    """Bytes per element of one node's value (4 where it names no dtype)."""
+    dtype = getattr(torch, str(data.get("dtype", "")).removeprefix("torch."), None)
+    return dtype.itemsize if isinstance(dtype, torch.dtype) else 4
+
+
 def _elements(cost: CostModel, data: dict) -> float:
     """Elements of one node's value: its bytes over its dtype's element size (4 where it names none)."""
-    dtype = getattr(torch, str(data.get("dtype", "")).removeprefix("torch."), None)
-    size = dtype.itemsize if isinstance(dtype, torch.dtype) else 4
-    return cost.value(data["bytes"]) / size
+    return cost.value(data["bytes"]) / _item_size(data)
 
 
 def _scaled(expr, factor: int):
@@ -256,9 +260,10 @@ def _view_roots(ir: IR) -> dict[str, str]:
 
 
 def _partial_gradients(ir: IR, root: dict[str, str]) -> dict[str, str]:
-    """Backward tensors (node keys that own their storage) whose values flow only into one optimized
-    parameter's gradient and are not that gradient's own storage, -> the parameter: the per-use partial
-    gradients of a weight read twice (added into its gradient), and the gradient that reaches an embedding."""
+    """Backward tensors (node keys that own their storage) of a weight's size whose values flow only into that
+    weight's gradient and are not the gradient's own storage, -> the parameter: the per-use partial gradients of
+    a weight read twice (added into its gradient). Token-sized tensors on the way to one gradient (what reaches
+    an embedding or a norm's weight) are activations: they scale with the tokens, and checkpointing sees them."""
     g = ir.graph
     grads = {key: n for n, key in ir.grad_node.items() if ir.params[n].optimized}
     staged = {root[key] for key in grads}
@@ -278,7 +283,11 @@ def _partial_gradients(ir: IR, root: dict[str, str]) -> dict[str, str]:
                 break
         if len(targets) == 1:
             feeds[key] = targets.pop()
-    return {key: p for key, p in feeds.items() if root[key] == key and key not in staged}
+    def weight_sized(key: str, param: str) -> bool:
+        data = g.nodes[key]
+        return isinstance(data["bytes"], int) and data["bytes"] == ir.params[param].numel * _item_size(data)
+
+    return {key: p for key, p in feeds.items() if root[key] == key and key not in staged and weight_sized(key, p)}
 
 
 def _liveness(ir: IR, cost: CostModel, weights: set[str], root: dict[str, str]):
