@@ -218,11 +218,11 @@ def _compile(gm: fx.GraphModule, example_inputs: list, ctx: CompileContext):
             from torch._inductor.compile_fx import compile_fx
             with inductor_config.patch(custom_partitioner_fn=_partitioner(ctx)):
                 return compile_fx(gm, example_inputs)
-        from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+        from functorch.compile import min_cut_rematerialization_partition
         from torch._dynamo.backends.common import aot_autograd
 
         def eager(graph, inputs, **kwargs):
-            return make_boxed_func(graph.forward)
+            return _freeing_inputs(graph)
 
         def partition(joint, joint_inputs, **kwargs):
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
@@ -230,6 +230,17 @@ def _compile(gm: fx.GraphModule, example_inputs: list, ctx: CompileContext):
                                                            joint_inputs, kwargs))
 
         return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partition)(gm, example_inputs)
+
+
+def _freeing_inputs(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` as a boxed function (one list of inputs, which it empties) on a copy of its graph: each input,
+    a saved activation above all, is let go after its last use, as Inductor's code does and as the planner's
+    liveness counts it (perf/analysis.py). Called with unpacked arguments, the backward would keep every saved
+    tensor to its end. ``gm`` itself is left as it is (the checker and reports read it)."""
+    graph = fx.Graph()
+    graph.set_codegen(fx.graph._BoxedCodeGen())   # torch's own boxed codegen (Inductor's convention)
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)   # boxed: its _boxed_call is the codegen's
 
 
 def _partitioner(ctx: CompileContext):

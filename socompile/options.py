@@ -63,7 +63,7 @@ class Options:
     """Hardware profile the plan is made for (see ``socompile.hardware``); also on a CPU-only machine."""
     bucket_size: int | str | None = None
     """Bytes of fp32 gradients per optimizer bucket (the unit of CPU stepping and reduce-scatter); None: the
-    planner chooses (64MB, or the largest smaller size whose buckets in flight fit the device budget)."""
+    planner chooses (64MB, or the largest smaller size whose floor fits the device budget: gradients and flow buffers live at once scale with the bucket)."""
     compute: str = "inductor"
     """Compiler for the forward/backward compute: 'inductor' (default) or 'eager' (FX interpreted, fast compile)."""
     runtime: str = "auto"

@@ -9,7 +9,10 @@ same name and stays alive until its last backward reader. Parameters (and views 
 gradients of parameters are moved into bucket buffers as they are produced, so they count as freed at once.
 A gradient of an optimized parameter (and the tensor it is a view of: a Linear's weight gradient is t(mm(...)))
 is not counted at all: until its bucket's step takes it, it is the plan's "gradient staging" (plan/memory.py),
-which scales with the bucket, not with the tokens.
+which scales with the bucket, not with the tokens. Nor are the partial gradients of a weight read in two places (a
+tied embedding and head, a module called twice): the backward makes one per use and adds them into the gradient,
+so they are weight-sized tensors that only feed gradients (``partial_gradients``); the plan walks them with the
+gradients (plan/step_timeline.py), live from the node that makes one to its last reader.
 """
 from __future__ import annotations
 
@@ -92,6 +95,9 @@ class GraphCosts:
     token_shard: int = 1               # sequence-parallel degree the per-rank numbers were divided by
     attention_bytes: tuple = ()        # per forward attention: bytes of q, k, v and its output on one rank
     param_numels: dict = dataclasses.field(default_factory=dict)   # param -> elements (buckets' padded layout)
+    # (param whose gradient it feeds, backward position made, last backward position read, bytes) of each
+    # partial gradient (a tensor whose values flow only into optimized weights' gradients, not their own storage)
+    partial_gradients: tuple = ()
 
     @property
     def fw_time(self) -> float:
@@ -124,11 +130,15 @@ def _by_dtype(ir: IR, cost: CostModel, keys) -> tuple[tuple[str, float], ...]:
     return tuple(sorted(out.items()))
 
 
+def _item_size(data: dict) -> int:
+    """Bytes per element of one node's value (4 where it names no dtype)."""
+    dtype = getattr(torch, str(data.get("dtype", "")).removeprefix("torch."), None)
+    return dtype.itemsize if isinstance(dtype, torch.dtype) else 4
+
+
 def _elements(cost: CostModel, data: dict) -> float:
     """Elements of one node's value: its bytes over its dtype's element size (4 where it names none)."""
-    dtype = getattr(torch, str(data.get("dtype", "")).removeprefix("torch."), None)
-    size = dtype.itemsize if isinstance(dtype, torch.dtype) else 4
-    return cost.value(data["bytes"]) / size
+    return cost.value(data["bytes"]) / _item_size(data)
 
 
 def _scaled(expr, factor: int):
@@ -184,7 +194,12 @@ def analyze(ir: IR, cost: CostModel, token_shard: int = 1) -> GraphCosts:
         return out
 
     roots = _view_roots(ir)
-    peak, peak_expr, peak_at, saved_roots, first_bw_use, last_use = _liveness(ir, cost, param_nodes, roots)
+    partials = _partial_gradients(ir, roots)
+    peak, peak_expr, peak_at, saved_roots, first_bw_use, last_use = _liveness(ir, cost, param_nodes | set(partials),
+                                                                              roots)
+    base = len(ir.fw_order)
+    partial_spans = tuple((param, nodes[key]["order"], last_use[key] - base,
+                           int(cost.value(nodes[key]["bytes"]))) for key, param in partials.items())
     saved_expr = _sum(nodes[r]["bytes"] for r in saved_roots)
     ckpt_expr, layer_saved, layer_fw, layers = _checkpoint_estimate(ir, cost, saved_roots, fw_times, param_nodes,
                                                                     first_bw_use, last_use, bw_times,
@@ -217,7 +232,8 @@ def analyze(ir: IR, cost: CostModel, token_shard: int = 1) -> GraphCosts:
         saved_expr=saved_expr, checkpoint_bytes=cost.value(ckpt_expr), checkpoint_expr=ckpt_expr,
         max_layer_saved=cost.value(layer_max_expr), max_layer_saved_expr=layer_max_expr, layer_fw_time=layer_fw,
         layers=tuple(layers), fw_attention=attention["fw"], bw_attention=attention["bw"], token_shard=shard,
-        attention_bytes=tuple(attention_bytes), param_numels={n: int(p.numel) for n, p in ir.params.items()})
+        attention_bytes=tuple(attention_bytes), param_numels={n: int(p.numel) for n, p in ir.params.items()},
+        partial_gradients=partial_spans)
 
 
 def _param_aliases(ir: IR) -> set[str]:
@@ -241,6 +257,37 @@ def _view_roots(ir: IR) -> dict[str, str]:
         else:
             root[key] = key
     return root
+
+
+def _partial_gradients(ir: IR, root: dict[str, str]) -> dict[str, str]:
+    """Backward tensors (node keys that own their storage) of a weight's size whose values flow only into that
+    weight's gradient and are not the gradient's own storage, -> the parameter: the per-use partial gradients of
+    a weight read twice (added into its gradient). Token-sized tensors on the way to one gradient (what reaches
+    an embedding or a norm's weight) are activations: they scale with the tokens, and checkpointing sees them."""
+    g = ir.graph
+    grads = {key: n for n, key in ir.grad_node.items() if ir.params[n].optimized}
+    staged = {root[key] for key in grads}
+    feeds: dict[str, str] = {}     # node -> the parameter whose gradient all its values reach
+    for key in reversed(ir.bw_order):
+        data = g.nodes[key]
+        if data["kind"] != "call_function" or data.get("alias_of"):
+            continue
+        targets = set()
+        for s in g.successors(key):
+            if s in grads:
+                targets.add(grads[s])
+            elif s in feeds:
+                targets.add(feeds[s])
+            else:
+                targets = set()
+                break
+        if len(targets) == 1:
+            feeds[key] = targets.pop()
+    def weight_sized(key: str, param: str) -> bool:
+        data = g.nodes[key]
+        return isinstance(data["bytes"], int) and data["bytes"] == ir.params[param].numel * _item_size(data)
+
+    return {key: p for key, p in feeds.items() if root[key] == key and key not in staged and weight_sized(key, p)}
 
 
 def _liveness(ir: IR, cost: CostModel, weights: set[str], root: dict[str, str]):

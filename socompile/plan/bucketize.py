@@ -26,3 +26,9 @@ def bucketize(ordered: list[tuple[str, int]], bucket_bytes: int) -> list[list[st
     if current:
         buckets.append(current)
     return buckets
+
+
+def padded_numel(numels, align: int) -> int:
+    """Elements of a flat bucket laid out as runtime/flat_bucket.py does: each segment starts at a multiple
+    of ``align`` elements."""
+    return sum((n + align - 1) // align * align for n in numels)

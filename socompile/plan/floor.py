@@ -26,8 +26,8 @@ def bucket_size_candidates(ctx: _Context, order: list[str]) -> list[int]:
 
 def bucket_size_line(ctx: _Context, size: int, peak: float, too_big: int) -> str:
     return (f"bucket size: {human_bytes(size)} (chosen: with {human_bytes(too_big)} buckets the least device memory "
-            f"any plan needs is {human_bytes(peak)}, over the budget of {human_bytes(ctx.budget)}: gradients of two "
-            f"buckets in flight and the weight-flow buffers scale with the bucket)")
+            f"any plan needs is {human_bytes(peak)}, over the budget of {human_bytes(ctx.budget)}: the gradients and "
+            f"weight-flow buffers live at once scale with the bucket)")
 
 
 def bucket_text(ctx: _Context, base, chosen: bool) -> str:
@@ -41,7 +41,33 @@ def bucket_text(ctx: _Context, base, chosen: bool) -> str:
     return f"bucket_size={size} (its largest bucket is one parameter: smaller buckets would hardly lower the floor)"
 
 
-def infeasible_message(ctx: _Context, minimum: MemoryEstimate, recompute: str, buckets: str) -> str:
+def _names(bucket) -> str:
+    return ", ".join(repr(p) for p in bucket.params[:3]) + (", ..." if len(bucket.params) > 3 else "")
+
+
+def peak_text(ctx: _Context, minimum: MemoryEstimate, base) -> str:
+    """Where the flow buffers and gradients peak and what they hold there; when one parameter's own fetched
+    weights and gradient exceed the budget there, that parameter, named: no bucket size or placement helps."""
+    step = minimum.step
+    if step is None or not step.total:
+        return ""
+    by_index = {b.index: b for b in base}
+    held = [f"bucket {i} ({_names(by_index[i])}) fetched {human_bytes(v)}" for i, v in step.fetched] + \
+           [f"bucket {i} ({_names(by_index[i])}) gradients {human_bytes(v)}" for i, v in step.gradients]
+    text = (f". The flow buffers and gradients peak in the {step.phase} at node {step.node.split(':', 1)[1]}, "
+            f"holding {'; '.join(held)}")
+    fetched, grads = dict(step.fetched), dict(step.gradients)
+    alone = max(((fetched.get(i, 0) + grads.get(i, 0), i) for i in {*fetched, *grads}
+                 if len(by_index[i].params) == 1), default=(0, None))
+    if alone[0] > ctx.budget:
+        name = by_index[alone[1]].params[0]
+        text += (f": parameter {name!r} alone needs {human_bytes(alone[0], round_up=True)} there (its weights "
+                 f"and its gradient at once), over the budget of {human_bytes(ctx.budget)}; a parameter is never "
+                 f"split, so no bucket size or placement lowers that")
+    return text
+
+
+def infeasible_message(ctx: _Context, minimum: MemoryEstimate, recompute: str, buckets: str, base=()) -> str:
     parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in minimum.device_parts if v)
     need = human_bytes(minimum.device_peak, round_up=True)
     expr = ctx.activations_expr
@@ -53,5 +79,6 @@ def infeasible_message(ctx: _Context, minimum: MemoryEstimate, recompute: str, b
     return (f"no plan fits in {human_bytes(ctx.budget)} of device memory on {ctx.hw.name}: even with every "
             f"optimizer bucket on the CPU, every weight that can stream streamed and "
             f"{'per-layer activation checkpointing' if recompute != 'none' else 'no checkpointing possible'}, "
-            f"with {buckets}, the step needs at least {need} ({parts}){formula}. Reduce the "
+            f"with {buckets}, the step needs at least {need} ({parts}){formula}{peak_text(ctx, minimum, base)}. "
+            f"Reduce the "
             f"sequence length or batch, or {room}.")

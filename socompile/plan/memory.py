@@ -4,8 +4,12 @@ Device (per step, at the activation peak):
     activations                         (graph liveness, or the checkpointing estimate; perf/analysis.py)
   + weights of stationary buckets       (numel * weight bytes; plus parameters without a socompile optimizer)
   + GPU-resident optimizer state        (fp32 master + m + v = 12 B/param, + the gradient kept to validation)
-  + gradient staging for CPU buckets    (2 buckets: one being filled, one on the link)
-  + weight-flow buffers                 ((max prefetch distance + 1) * largest flow bucket, in its link dtype)
+  + weight-flow buffers                 (their peak over the exact schedule, plan/flow_schedule.py; at least
+                                         (max prefetch distance + 1) * largest flow bucket, in its link dtype)
+  + gradient staging                    (what the backward's gradient tensors add to the flow buffers at the
+                                         peak of the two together, plan/step_timeline.py: each bucket's from the
+                                         node that makes it until the graph lets the bucket go, one bucket after
+                                         its own is ready)
   + upload staging for device casts     (2 * largest stationary CPU bucket, fp32)
   + ZeRO device buffers (world > 1)     (zero_device_bytes: per stationary CPU bucket its shard buffer and its
                                          weights' padding to W chunks, kept (a flow bucket keeps none); flat
@@ -13,8 +17,10 @@ Device (per step, at the activation peak):
                                          fills and one is reduced)
 Gradient staging is no buffer of the runtime's: it is the backward graph's own gradient tensors, held by a
 bucket's step node until the bucket is complete and by its device-to-host copy until it lands in the pinned
-landing buffer (runtime/host_master.py), so perf/analysis.py does not count them as activations. The floor of a plan
-(planner._min_device) therefore scales with the largest bucket, and bucket_size with it.
+landing buffer (runtime/host_master.py), so perf/analysis.py does not count them as activations. Flow buffers and
+gradients are walked together: a flow bucket's buffer and the gradients of the buckets around it are what is
+live at once, where twice the largest bucket would count a dominant parameter's gradient twice and its forward
+flow buffer beside its backward gradient. The floor of a plan (planner._min_device) scales with the buckets.
 Host (host_buffers; the runtime's HostLedger books the same buffers, runtime/memory.py), per CPU bucket of n
 padded elements: fp32 master (4n), Adam moments (8n), ping-pong spares for exact rollback (12n), the gradient
 landing buffer (n x link dtype), a staging copy (2n) that uploads and fetches of bf16 or fp16 weights read, and on
@@ -32,8 +38,9 @@ import sympy
 from ..dtypes import dtype_bytes, dtype_name, gradient_link_name
 from ..ledger_names import (ACCUMULATION, ACTIVATIONS, HOST_PURPOSES, LANDING, MASTER, MOMENTS, SPARES,
                             STAGING)
-from .bucketize import ALIGN
+from .bucketize import ALIGN, padded_numel
 from .plan import BucketPlan
+from .step_timeline import StepPeak, flow_bytes_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,23 +51,29 @@ class MemoryEstimate:
     host_total: int
     host_pinned: int
     host_parts: tuple[tuple[str, int], ...]
+    step: StepPeak | None = None  # where flow buffers + gradients peak, and what is live there (PlanError)
 
 
 def device_memory(buckets: list[BucketPlan], weight_bytes: int, activations: float, activations_expr,
                   unoptimized_numel: int, adaptive_flow: set[int] | None = None, world: int = 1,
-                  flow_at_least: int = 0) -> MemoryEstimate:
+                  step: StepPeak | None = None) -> MemoryEstimate:
     """Per rank. With ``world`` ZeRO ranks, a device-site bucket keeps 1/world of its fp32 master and moments
     (12 B/param / world) beside its whole gradient and compute weights; uploads carry one shard.
-    ``flow_at_least``: the flow buffers the runtime's exact schedule holds at once (flow_buffer_peak), when
-    more than (distance + 1) of the largest (small buckets read by one node are live together)."""
+    ``step``: the joint peak of flow buffers and gradient tensors over the step (step_timeline.step_peak); the
+    flow buffers are its flow peak when more than (distance + 1) of the largest (small buckets read by one node
+    are live together), the gradient staging what the gradients add on top at the joint peak. Without it
+    (callers with no IR), two of the largest buckets' gradients."""
     stationary = sum(b.numel for b in buckets if b.weight_mode == "stationary") + unoptimized_numel
     gpu_state = sum(b.numel for b in buckets if b.optimizer_site == "device")
     cpu = [b for b in buckets if b.optimizer_site == "cpu"]
     flow = [b for b in buckets if b.weight_mode == "flow"]
-    staging = 2 * max((b.numel * max(weight_bytes, dtype_bytes(b.link_dtype)) for b in cpu), default=0)
     flow_buffers = (max((b.prefetch_distance for b in flow), default=0) + 1) * max(
         (b.numel * dtype_bytes(b.param_link_dtype) for b in flow), default=0) if flow else 0
-    flow_buffers = max(flow_buffers, flow_at_least)
+    if step is None:
+        staging = 2 * max((b.numel * max(weight_bytes, dtype_bytes(b.link_dtype)) for b in cpu), default=0)
+    else:
+        flow_buffers = max(flow_buffers, step.flow_peak)
+        staging = step.total - step.flow_peak
     upload = 2 * max((b.numel * 4 for b in cpu if b.weight_mode == "stationary" and b.cast_site == "device"
                       and weight_bytes == 2), default=0) // max(1, world)
     parts = (("activations", activations), ("stationary weights", stationary * weight_bytes),
@@ -75,7 +88,7 @@ def device_memory(buckets: list[BucketPlan], weight_bytes: int, activations: flo
     expr = sympy.Add(activations_expr, fixed) if not isinstance(activations_expr, (int, float)) \
         else activations_expr + fixed
     return MemoryEstimate(device_peak=sum(v for _, v in parts), device_expr=expr, device_parts=parts,
-                          host_total=0, host_pinned=0, host_parts=())
+                          host_total=0, host_pinned=0, host_parts=(), step=step)
 
 
 def zero_device_bytes(numels: list[int], world: int, weight_bytes: int, flow: list[bool] | None = None) -> dict:
@@ -189,25 +202,6 @@ def runtime_host_bytes(plan, ir, layout: HostLayout = HostLayout(), world: int =
                         layout, weight_dtype(plan))
 
 
-def flow_buffer_peak(buckets, ir, align: int | None = None, spans_cache: dict | None = None) -> int:
-    """Bytes of flow buffers live at once over the exact schedule (plan/flow_schedule.py), as the runtime
-    allocates them (padded segments, the link dtype)."""
-    from .flow_schedule import bucket_flow_schedule, flow_peak
-    flow = [b for b in buckets if b.weight_mode == "flow"]
-    if not flow:
-        return 0
-    align = ALIGN if align is None else align
-    nbytes = {b.index: padded_numel([ir.params[p].numel for p in b.params], align) * dtype_bytes(b.param_link_dtype)
-              for b in flow}
-    return flow_peak(bucket_flow_schedule(buckets, ir, spans_cache), nbytes)[0]
-
-
-def padded_numel(numels, align: int) -> int:
-    """Elements of a flat bucket laid out as runtime/flat_bucket.py does: each segment starts at a multiple
-    of ``align`` elements."""
-    return sum((n + align - 1) // align * align for n in numels)
-
-
 def weight_dtype(plan) -> str:
     """The name of ``plan``'s weights' dtype: recorded as "param_dtype" where their size does not say it (fp16),
     else named by ``param_dtype_bytes`` (2: bfloat16, 4: float32)."""
@@ -232,16 +226,14 @@ def runtime_device_bytes(plan, ir, align: int | None = None) -> dict:
     weight_bytes = plan.prediction("param_dtype_bytes", 4)
     world = plan_world(plan)
     stationary = state = 0
-    flow_bytes = {}
+    flow_bytes = flow_bytes_of(plan.buckets, ir, align, world)   # the flow buffers the floor walks, as allocated
     for b in plan.buckets:
         n = padded_numel([ir.params[p].numel for p in b.params], align)
         if b.optimizer_site == "device":
             state += 16 * n          # fp32 master, gradient, exp_avg, exp_avg_sq
             if weight_bytes != 4:    # bf16/fp16 weights: a device copy cast from that master (runtime/flat_bucket.py)
                 stationary += n * weight_bytes
-        if b.weight_mode == "flow":   # device-side ZeRO fetches windows of W equal chunks (the all-gather's output)
-            flow_bytes[b.index] = (n if world <= 1 else -(-n // world) * world) * dtype_bytes(b.param_link_dtype)
-        elif b.optimizer_site != "device":
+        if b.weight_mode != "flow" and b.optimizer_site != "device":
             stationary += n * weight_bytes   # a device-site bucket's weights are its fp32 master, counted above
     peak, per_phase = flow_peak(flow_schedule(plan, ir), flow_bytes)
     staging = upload_staging_bytes(plan, ir, align)

@@ -2,8 +2,9 @@
 
 Decisions, in this order (each reads the cost model; docs/planner.md explains them with numbers):
 1. Buckets: parameters in the order backward produces their gradients, ``options.bucket_size`` fp32 bytes each.
-   Not pinned: 64 MB, or when that cannot fit the budget (two buckets of gradients in flight, flow buffers of
-   whole buckets), the largest smaller size (halving, down to the largest parameter) whose floor fits.
+   Not pinned: 64 MB, or when that cannot fit the budget (the gradients and flow buffers of whole buckets live
+   at once, plan/step_timeline.py), the largest smaller size (halving, down to the largest parameter) whose
+   floor fits.
 2. Casts and link precision (per bucket, from bandwidths): gradients cross in the model's own dtype (the CPU
    kernel reads bf16 directly, an fp32 upcast carries no information); updated weights cross as fp32 and are
    cast on the GPU when ``4n/link < 2n/link + 2n/cpu_adam_bw`` (C2C), else are cast on the CPU (PCIe).
@@ -245,7 +246,8 @@ def _fitting_buckets(template: _Context, order: list[str], decisions: list[str])
             return ctx, base, recompute
         floors.append((minimum.device_peak, size, ctx, minimum, recompute, base))
     _, size, ctx, minimum, recompute, base = min(floors, key=lambda f: (f[0], -f[1]))
-    raise PlanError(infeasible_message(ctx, minimum, recompute, bucket_text(ctx, base, chosen=len(sizes) > 1)))
+    raise PlanError(infeasible_message(ctx, minimum, recompute, bucket_text(ctx, base, chosen=len(sizes) > 1),
+                                     base))
 
 
 def _base_buckets(ir: IR, order: list[str], bucket_size: int, ctx: _Context, decisions: list[str]):

@@ -13,7 +13,8 @@ from ..hardware.profiles import HardwareProfile
 from ..options import Options
 from ..perf.analysis import GraphCosts
 from ..perf.cost import CostModel
-from .memory import MemoryEstimate, device_memory, flow_buffer_peak
+from .memory import MemoryEstimate, device_memory
+from .step_timeline import step_peak
 
 HOST_HEADROOM = 0.90      # fraction of host memory the plan may use (the OS, the data loader, Python)
 
@@ -45,9 +46,10 @@ class _Context:
 
 
 def _device(ctx: _Context, buckets) -> MemoryEstimate:
-    """Device memory of a placement; its flow buffers never below what the runtime's schedule holds at once."""
+    """Device memory of a placement; its flow buffers and gradients as the step holds them, node by node."""
     return device_memory(buckets, ctx.weight_bytes, ctx.activations, ctx.activations_expr, ctx.unoptimized_numel,
-                         world=ctx.world, flow_at_least=flow_buffer_peak(buckets, ctx.ir, spans_cache=ctx.flow_spans))
+                         world=ctx.world, step=step_peak(buckets, ctx.ir, ctx.weight_bytes, ctx.flow_spans,
+                                                         ctx.world, ctx.costs.partial_gradients))
 
 
 def _compact_buckets(ctx: _Context, buckets) -> set[int]:
