@@ -31,10 +31,18 @@ register_with_torch()   # TORCH_LOGS=+socompile; only adds our name to torch's l
 def superoffload(gm: fx.GraphModule, example_inputs: list, options: Mapping[str, Any] | None = None,
                  mode: str | None = None):
     """Entry point named ``superoffload`` (found by Dynamo through the entry-point group)."""
+    _check_mode(mode)
+    return SuperOffload(options)(gm, example_inputs)
+
+
+def _check_mode(mode: str | None) -> None:
+    """torch.compile's ``mode`` reaches a backend as a keyword. Only the default is ours: CUDA graphs
+    ("reduce-overhead", "max-autotune") replay recorded kernels and would skip the host-side optimizer steps,
+    uploads and waits the graph calls, so training would silently stop updating the weights."""
     if mode not in (None, "default"):
         raise OffloadError(f"superoffload supports mode=None or 'default', got {mode!r}: CUDA graphs "
-                           "('reduce-overhead') cannot replay host-side optimizer steps")
-    return SuperOffload(options)(gm, example_inputs)
+                           "('reduce-overhead') cannot replay host-side optimizer steps. Drop mode=... from "
+                           "torch.compile.")
 
 
 class SuperOffload:
@@ -57,8 +65,16 @@ class SuperOffload:
             check_requirements(self.options.disable_passes)
         self.compiled: list[CompileContext] = []
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: list, **_ignored):
+    def __call__(self, gm: fx.GraphModule, example_inputs: list, mode: str | None = None,
+                 options: Mapping[str, Any] | None = None):
         from .capture import find_parameters
+
+        _check_mode(mode)
+        if options:   # torch.compile(..., backend=SuperOffload(...), options={...}) would drop them silently
+            raise OffloadError(f"torch.compile(options={dict(options)!r}) was given with a SuperOffload object: "
+                               "its options are the object's own. Pass them to it, "
+                               "socompile.SuperOffload(options) or SuperOffload(**options), or use "
+                               "backend='superoffload' with options=...")
 
         self._check_dynamo_graph(gm)
         params = find_parameters(gm, example_inputs)

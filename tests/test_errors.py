@@ -143,9 +143,20 @@ def test_low_precision_parameters_get_a_separate_master_but_shared_mode_is_refus
         socompile.AdamW(nn.Linear(4, 4).to(dtype).parameters(), host_master="shared")
 
 
-def test_cuda_graphs_mode_is_refused():
-    cmodel = torch.compile(nn.Linear(4, 4), backend="superoffload", mode="reduce-overhead")
+@pytest.mark.parametrize("backend", ["superoffload", "object"])
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_cuda_graphs_mode_is_refused(backend, mode):
+    # The object form used to take mode=... silently (its __call__ swallowed keywords).
+    backend = socompile.SuperOffload(compute="eager") if backend == "object" else backend
+    cmodel = torch.compile(nn.Linear(4, 4), backend=backend, mode=mode)
     with pytest.raises(Exception, match="CUDA graphs.*cannot replay host-side optimizer steps"):
+        cmodel(torch.randn(2, 4))
+
+
+def test_options_given_to_torch_compile_beside_a_backend_object_are_refused_not_dropped():
+    cmodel = torch.compile(nn.Linear(4, 4), backend=socompile.SuperOffload(compute="eager"),
+                           options={"bucket_size": "1MB"})
+    with pytest.raises(Exception, match=r"its options are the object's own.*SuperOffload\(options\)"):
         cmodel(torch.randn(2, 4))
 
 
