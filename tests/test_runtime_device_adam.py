@@ -3,6 +3,7 @@ computes: on the CPU here (the fused kernel exists there too), on CUDA in tests/
 Tolerance 1e-6 after 5 steps: the two differ only in sqrt rounding (see test_backend_training.py)."""
 import copy
 
+import pytest
 import torch
 
 from socompile.runtime.cpu_adam import step_bucket
@@ -45,3 +46,36 @@ def test_fused_step_reports_non_finite_gradients():
     bucket.grad[3] = float("inf")
     bucket.has_grad = [True, True]
     assert fused_step(bucket, GROUPS)[1] is True
+
+
+
+# ------------------------------------------------------------- no host reads where nothing validates
+def _count_host_reads(monkeypatch):
+    """Counts reads of a tensor's value on the host (float(t), t.item()): on a GPU each one blocks the
+    training thread until the device has caught up with everything queued before it."""
+    reads = []
+    for name in ("__float__", "item"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(t, *args, _original=original, _name=name, **kwargs):
+            reads.append(_name)
+            return _original(t, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return reads
+
+
+def test_a_device_step_reads_nothing_on_the_host_until_its_statistics_are_asked_for(monkeypatch):
+    # The same code steps GPU-resident buckets on CUDA; here its buffers are host memory (the emulated device
+    # steps its buckets with the socompile kernel, so this is where device_adam runs without a GPU).
+    bucket = _bucket()
+    for i, p in enumerate(bucket.params):
+        bucket.view(bucket.grad, i).copy_(torch.randn(p.shape))
+    bucket.has_grad = [True, True]
+    reads = _count_host_reads(monkeypatch)
+    stats = fused_step(bucket, GROUPS, grad_scale=0.5)
+    assert reads == []            # was: float(total) and .item() of its finiteness, in every step
+    expected = sum(float((bucket.grad[s:e] * 0.5).double().square().sum()) for s, e, _, _ in bucket.runs(bucket.group_of))
+    reads.clear()
+    assert stats[0] == expected and stats[1] is False   # asked: read once, the same float64 sum as before
+    assert reads == ["__float__"]
+    assert tuple(stats) == (expected, False) and reads == ["__float__"]   # read once, then kept

@@ -19,24 +19,54 @@ import math
 import torch
 
 
-def fused_step(bucket, groups: list[dict], grad_scale: float = 1.0, outputs=None) -> tuple[float, bool]:
-    total = torch.zeros((), dtype=torch.float64, device=bucket.master.device)
+class DeviceStats:
+    """(sum of squared scaled gradients, any non-finite) of a device step, read on the host only when asked
+    (``stats[0]``, ``stats[1]``, unpacking). The step itself queues kernels only: reading a device value blocks
+    the host until the device is there, and a step nobody validates (no clipping, no skip-on-overflow) never
+    asks, so it never blocks. The statistics take their own pass over the gradients (float64, as torch's norm
+    of fp32 gradients is accumulated wider), done at the first read, on the gradients the step used: the
+    landing buffer is not rewritten before ``step()`` has read them."""
+
+    def __init__(self, grads: list[torch.Tensor], grad_scale: float):
+        self._grads, self._scale, self._value = grads, grad_scale, None
+
+    def _read(self) -> tuple[float, bool]:
+        if self._value is None:
+            total = None
+            for g in self._grads:
+                scaled = g * self._scale if self._scale != 1.0 else g   # in the gradients' dtype, as the step's
+                part = scaled.double().square().sum()
+                total = part if total is None else total + part
+            value = 0.0 if total is None else float(total)   # the one device->host read
+            self._value, self._grads = (value, not math.isfinite(value)), None
+        return self._value
+
+    def __getitem__(self, i: int):
+        return self._read()[i]
+
+    def __iter__(self):
+        return iter(self._read())
+
+    def __len__(self) -> int:
+        return 2
+
+
+def fused_step(bucket, groups: list[dict], grad_scale: float = 1.0, outputs=None) -> DeviceStats:
+    used = []
     for start, end, gi, step in bucket.runs(bucket.group_of):
         group = groups[gi]
         p, m, v = _state_slices(bucket, start, end, outputs)
-        g = bucket.grad[start:end]
-        if grad_scale != 1.0:
-            g = g * grad_scale
-        total += g.double().square().sum()
+        used.append(bucket.grad[start:end])
+        g = used[-1] * grad_scale if grad_scale != 1.0 else used[-1]
         beta1, beta2 = group["betas"]
-        # torch.optim increments the step tensor before calling the fused kernel: pass the new step.
-        steps = [torch.tensor(float(step), dtype=torch.float32, device=p.device)]
+        # torch.optim increments the step tensor before calling the fused kernel: pass the new step. A fill on
+        # the device (not torch.tensor(...), a copy from host memory) so that nothing waits for the device.
+        steps = [torch.full((), float(step), dtype=torch.float32, device=p.device)]
         kernel = torch._fused_adamw_ if group.get("decoupled", True) else torch._fused_adam_
         kernel([p], [g], [m], [v], [], steps, amsgrad=False, lr=float(group["lr"]), beta1=float(beta1),
                beta2=float(beta2), weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
                maximize=False)
-    value = float(total)        # one device->host sync per bucket, as the kernel's own statistics need
-    return value, not torch.isfinite(torch.tensor(value)).item()
+    return DeviceStats(used, grad_scale)
 
 
 def _state_slices(bucket, start: int, end: int, outputs):
@@ -85,10 +115,7 @@ def _check_invertible(group: dict) -> None:
                            "== 1 (the step forgets the previous values); use rollback='pingpong'")
 
 
-def device_grad_stats(bucket) -> tuple[float, bool]:
-    """(sum of squared gradients in double, any non-finite) over the runs a step would use, on the device."""
-    total = torch.zeros((), dtype=torch.float64, device=bucket.grad.device)
-    for start, end, _, _ in bucket.runs(bucket.group_of):
-        total += bucket.grad[start:end].double().square().sum()
-    value = float(total)
-    return value, not torch.isfinite(torch.tensor(value)).item()
+def device_grad_stats(bucket) -> DeviceStats:
+    """(sum of squared gradients in double, any non-finite) over the runs a step would use, on the device,
+    read on the host when asked (``DeviceStats``)."""
+    return DeviceStats([bucket.grad[start:end] for start, end, _, _ in bucket.runs(bucket.group_of)], 1.0)
