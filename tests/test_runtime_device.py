@@ -151,6 +151,28 @@ def test_cuda_copy_is_non_blocking_on_the_side_stream_after_the_compute_stream_a
     assert rt.host_buffer(4, torch.float32).numel() == 4 and ("pinned", 4) in api.calls
 
 
+def test_two_threads_asking_for_a_cuda_stream_at_once_get_the_same_one():
+    # The training thread and the CPU worker both ask for "h2d"; a slow stream creation (as a real one can be)
+    # lets both see it missing: without the registry's lock each made its own, and an event recorded on one
+    # ordered nothing on the other.
+    api = _Recorder()
+    made = api.new_stream
+
+    def slow_new_stream():
+        time.sleep(0.05)
+        return made()
+    api.new_stream = slow_new_stream
+    rt = dev.CUDARuntime("cuda", api=api)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(rt.stream("h2d"))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert len(got) == 2 and got[0] is got[1]
+    assert sum(c[0] == "new_stream" for c in api.calls) == 1
+
+
 def test_selection_picks_cpu_without_cuda_and_explains_a_cuda_request(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for name in ("Stream", "Event", "current_stream", "stream"):   # any of these on a CPU build would raise

@@ -218,11 +218,16 @@ class CUDARuntime(DeviceRuntime):
         self.device = torch.device(device)
         self.api = api if api is not None else _TorchCuda(self.device)
         self._streams: dict[str, CUDAStream] = {}
+        # The training thread and the CPU worker both ask for streams (an upload from the worker, a fetch from
+        # the graph): two threads creating "h2d" at once would each get their own, and events recorded on
+        # one would order nothing on the other.
+        self._lock = threading.Lock()
 
     def stream(self, name: str) -> CUDAStream:
-        if name not in self._streams:
-            self._streams[name] = CUDAStream(name, self.api)
-        return self._streams[name]
+        with self._lock:
+            if name not in self._streams:
+                self._streams[name] = CUDAStream(name, self.api)
+            return self._streams[name]
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self.api.empty(numel, dtype)
