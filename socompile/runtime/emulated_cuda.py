@@ -35,6 +35,7 @@ several devices.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import os
@@ -137,6 +138,12 @@ class _ComputeStream:
         pass
 
 
+def _stop_stream(ref: "weakref.ref[_SideStream]") -> None:
+    stream = ref()
+    if stream is not None:
+        stream.stop()
+
+
 class _SideStream:
     """A worker thread that runs queued operations in order, each after a seeded random delay."""
 
@@ -147,10 +154,22 @@ class _SideStream:
         self._errors: list[EmulatedHazard] = []
         self._thread = threading.Thread(target=self._run, name=f"socompile-emulated-{name}", daemon=True)
         self._thread.start()
+        # A daemon thread still inside a torch op when the interpreter finalizes aborts the process ("terminate
+        # called without an active exception", status 134): at exit the stream runs what is queued and ends,
+        # while the interpreter is still whole (atexit runs after non-daemon threads, the CPU worker, joined).
+        atexit.register(_stop_stream, weakref.ref(self))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Run what is queued, then end the stream's thread."""
+        if self._thread.is_alive():
+            self._queue.put((0.0, None))
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         while True:
             delay, op = self._queue.get()
+            if op is None:   # stop(): everything queued before it has run
+                return
             if delay:
                 time.sleep(delay)
             try:
