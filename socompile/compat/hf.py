@@ -6,7 +6,8 @@
     loss = logits_loss(cmodel(x), y)              # or model(input_ids=x, labels=...).loss
 
 What socompile needs from such a model, and what these helpers set:
-- fp32 parameters (socompile.AdamW keeps fp32 buckets): ``from_config`` builds fp32 by default.
+- any parameter dtype: fp32 parameters alias socompile's fp32 master; bf16 or fp16 ones keep a separate fp32
+  master in host memory (``host_master="auto"``), as mixed-precision training does.
 - ``use_cache=False``: training needs no KV cache, and a cache object in the outputs only adds graph inputs.
 - dropout 0 when comparing with eager PyTorch: compiled and eager dropout draw different random masks, so a
   run with dropout trains fine but cannot be compared element by element (``check_model`` says so).
@@ -59,10 +60,6 @@ def logits_loss(output, targets: torch.Tensor) -> torch.Tensor:
 def check_model(model: torch.nn.Module) -> list[str]:
     """Reasons this model will not train well (or not comparably) under socompile; empty when none."""
     problems = []
-    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
-    if dtypes - {torch.float32}:
-        problems.append(f"parameters in {sorted(map(str, dtypes))}: socompile.AdamW needs fp32 parameters "
-                        "(call model.float(); keep bf16 for the compute with torch.autocast)")
     config = getattr(model, "config", None)
     if config is not None:
         if getattr(config, "use_cache", False):
