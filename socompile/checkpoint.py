@@ -27,6 +27,7 @@ import logging
 import os
 import pathlib
 import pickle
+import re
 import tempfile
 from typing import Any, Callable
 
@@ -120,12 +121,13 @@ def load(path: str | os.PathLike, model: nn.Module | None = None, optimizer=None
     return the ``extra`` values. The optimizer may be ``socompile.AdamW`` or ``torch.optim.AdamW``.
 
     Everything is checked before anything is loaded (see the module docstring): a refused file changes neither
-    the model nor the optimizer. Errors name the file and the entry: RuntimeError for a file that is corrupt,
-    cut short or does not fit the model; ValueError for optimizer values that cannot be right."""
+    the model nor the optimizer. Errors name the file and the entry: RuntimeError for a file that is empty, not
+    a torch file, corrupt, cut short or does not fit the model; ValueError for a torch file that is not a
+    socompile checkpoint and for optimizer values that cannot be right."""
     data = _read(path)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a socompile checkpoint (written by socompile.save); load it with "
-                         "torch.load and call load_state_dict yourself")
+        raise ValueError(f"{path} is not a socompile checkpoint (written by socompile.save): it holds "
+                         f"{_described(data)}. Load it with torch.load and call load_state_dict yourself")
     if data.get("version", 0) > VERSION:
         raise ValueError(f"{path} has checkpoint format version {data['version']}, newer than this socompile "
                          f"reads ({VERSION}); upgrade socompile")
@@ -149,6 +151,14 @@ def load(path: str | os.PathLike, model: nn.Module | None = None, optimizer=None
     return dict(data.get("extra") or {})
 
 
+def _described(data) -> str:
+    """What a torch file that is not a checkpoint holds, for the refusal (a dict's first keys)."""
+    if isinstance(data, dict):
+        keys = list(data)
+        return f"a dict with keys {keys[:8]}{' ...' if len(keys) > 8 else ''}"
+    return f"a {type(data).__name__}"
+
+
 def _load_optimizer(optimizer, state: dict) -> None:
     """load_state_dict; socompile.AdamW's would validate the state a second time (a pass over every moment),
     which ``load`` has just done before touching the model."""
@@ -160,22 +170,69 @@ def _load_optimizer(optimizer, state: dict) -> None:
 
 
 def _read(path) -> Any:
-    """torch.load, with a file that is cut short or unreadable reported as such (torch says e.g. ``[Errno 22]
-    Invalid argument`` or ``failed finding central directory``)."""
+    """torch.load(weights_only=True) of ``path``; a file it cannot read is reported with its path and what it
+    is (empty, not a torch file, cut short or corrupt, a torch file of Python objects). torch's advice to retry
+    with weights_only=False is never passed on: a file socompile.save wrote never needs it, and unpickling a
+    file that is not one can run any code it holds."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (FileNotFoundError, IsADirectoryError, PermissionError):
         raise
-    except pickle.UnpicklingError as error:
-        if "weights_only" in str(error) or "Weights only" in str(error):
-            raise   # torch's own explanation of a value it does not unpickle safely
-        raise RuntimeError(f"checkpoint {path} cannot be read ({error}): it is corrupt. Load an earlier "
-                           "checkpoint") from error
-    except Exception as error:   # whatever the zip reader or unpickler trips over in a damaged file
-        size = os.path.getsize(path) if os.path.exists(path) else 0
-        raise RuntimeError(f"checkpoint {path} ({size} bytes) cannot be read: {str(error).splitlines()[0]}. "
-                           "The file is cut short or corrupt (an interrupted copy or a full disk while "
-                           "copying); load an earlier checkpoint, or copy it again") from error
+    except Exception as error:   # whatever the zip reader or unpickler trips over
+        refusal = _unreadable(path, error)
+        # torch's text (on the chained error a traceback prints too) gives the advice: leave it out then
+        raise refusal from (None if _advises_unpickling(error) else error)
+
+
+_ZIP_MAGIC = b"PK\x03\x04"                                                # torch.save's default format
+_LEGACY_MAGIC = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2)  # _use_new_zipfile_serialization=False
+
+
+def _unreadable(path, error: Exception) -> Exception:
+    """The refusal of a file torch.load(weights_only=True) failed on with ``error``."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return RuntimeError(f"checkpoint {path} is empty (0 bytes): nothing was written into it (a copy that "
+                            "failed, or a file created empty; socompile.save never leaves one). Load an earlier "
+                            "checkpoint, or copy it again")
+    with open(path, "rb") as handle:
+        head = handle.read(len(_LEGACY_MAGIC))
+    if not head.startswith(_ZIP_MAGIC) and not head.startswith(_LEGACY_MAGIC):
+        return RuntimeError(f"{path} is not a torch checkpoint: torch.save writes a zip archive (its first bytes "
+                            f"{_ZIP_MAGIC!r}), this file of {size} bytes begins with {head[:12]!r}. Pass the path "
+                            "of a file written by socompile.save")
+    objects = _python_objects_in(path)
+    if objects:
+        return ValueError(f"{path} is not a socompile checkpoint: it is a torch file holding Python objects "
+                          f"({', '.join(objects[:5])}{' ...' if len(objects) > 5 else ''}), where socompile.save "
+                          "writes tensors, numbers, strings, lists, tuples and dicts, and socompile.load does not "
+                          "unpickle objects (that can run code). If it was written by socompile.save, one of "
+                          "its extra values was such an object: save plain values instead (e.g. its state dict)")
+    return RuntimeError(f"checkpoint {path} ({size} bytes) cannot be read: {_reason(error)}. The file is cut "
+                        "short or corrupt (an interrupted copy or a full disk while copying); load an earlier "
+                        "checkpoint, or copy it again")
+
+
+def _python_objects_in(path) -> list[str]:
+    """The classes and functions a torch file's pickle names that weights_only does not load (read from its
+    opcodes, not by unpickling); [] when there are none or the file is too damaged to tell."""
+    try:
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    except Exception:   # a damaged archive: reported as corrupt by the caller
+        return []
+
+
+def _advises_unpickling(error: Exception) -> bool:
+    return "weights_only" in str(error) or "Weights only" in str(error)
+
+
+def _reason(error: Exception) -> str:
+    """torch's reason in one line, without its advice on weights_only."""
+    text = str(error)
+    if _advises_unpickling(error):
+        found = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)
+        return f"its pickled data is damaged ({found.group(1).strip()})" if found else "its pickled data is damaged"
+    return text.splitlines()[0] if text.strip() else type(error).__name__
 
 
 def _check_complete(path, data: dict) -> None:

@@ -508,3 +508,82 @@ def test_load_validates_the_optimizer_state_once(tmp_path, monkeypatch):
     assert len(calls) == 1
     fresh_opt.load_state_dict(fresh_opt.state_dict())   # used directly, the optimizer still checks
     assert len(calls) == 2
+
+
+# ---------------------------------------------------------------------------------------------- unreadable files
+# A file socompile.load cannot use is reported with its path and what it is, never with torch's advice to retry
+# with weights_only=False: a file socompile.save wrote never needs it, and unpickling another can run code.
+
+class _NotPlain:   # an object torch.load(weights_only=True) does not unpickle
+    pass
+
+
+def _write_empty(path):
+    path.write_bytes(b"")
+
+
+def _write_random(path):
+    # seeded: every run is the same file. Its first byte is a valid pickle opcode often enough that torch's
+    # legacy reader gets far (seed 0 gives the weights_only advice on torch 2.13)
+    path.write_bytes(bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0),
+                                         dtype=torch.uint8).tolist()))
+
+
+def _write_pickle_of_a_dict(path):
+    import pickle
+    path.write_bytes(pickle.dumps({"step": 1}))   # not torch.save's format: torch advises weights_only=False
+
+
+def _write_text(path):
+    path.write_text("step,loss\n1,2.5\n")
+
+
+def _write_torch_file_of_an_object(path):
+    torch.save({"model": _NotPlain()}, path)
+
+
+def _write_truncated(path):
+    torch.save({"weights": torch.zeros(1000)}, path)
+    path.write_bytes(path.read_bytes()[:300])
+
+
+@pytest.mark.parametrize("write, error, cause", [
+    (_write_empty, RuntimeError, r"is empty \(0 bytes\)"),
+    (_write_random, RuntimeError, r"is not a torch checkpoint.* begins with b'"),
+    (_write_pickle_of_a_dict, RuntimeError, r"is not a torch checkpoint.* begins with b'\\x80"),
+    (_write_text, RuntimeError, r"is not a torch checkpoint.* begins with b'step,loss"),
+    (_write_torch_file_of_an_object, ValueError, r"is not a socompile checkpoint.*test_checkpoint\._NotPlain"),
+    (_write_truncated, RuntimeError, r"cannot be read.*cut short or corrupt"),
+])
+def test_an_unreadable_file_is_refused_naming_path_and_cause_without_advising_weights_only(tmp_path, write, error,
+                                                                                          cause):
+    path = tmp_path / "ckpt.pt"
+    write(path)
+    with pytest.raises(error, match=cause) as refused:
+        socompile.load(path, *_fresh())
+    message = str(refused.value)
+    assert str(path) in message
+    assert "weights_only" not in message and "unpickl" not in message.lower().replace("does not unpickle", "")
+    # nor in the chained error a traceback would print after ours
+    chained = refused.value.__cause__
+    assert chained is None or "weights_only" not in str(chained)
+
+
+def test_a_torch_file_of_something_else_says_what_it_holds(tmp_path):
+    path = tmp_path / "other.pt"
+    torch.save({"weights": torch.zeros(2), "lr": 0.1}, path)
+    with pytest.raises(ValueError, match=rf"{path} is not a socompile checkpoint .*a dict with keys \['weights', "
+                                         r"'lr'\]"):
+        socompile.load(path, *_fresh())
+    torch.save([torch.zeros(2)], path)
+    with pytest.raises(ValueError, match=rf"{path} is not a socompile checkpoint .*a list"):
+        socompile.load(path, *_fresh())
+
+
+def test_optimizer_load_state_dict_of_a_path_or_a_whole_checkpoint_says_what_to_pass(tmp_path):
+    path, _, _ = _trained(tmp_path)
+    _, opt = _fresh()
+    with pytest.raises(TypeError, match=rf"a path \({path}\).*socompile.load"):
+        opt.load_state_dict(path)
+    with pytest.raises(ValueError, match=r"whole checkpoint.*\['optimizer'\] entry"):
+        opt.load_state_dict(torch.load(path, weights_only=True))

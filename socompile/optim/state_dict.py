@@ -2,6 +2,7 @@
 into the flat buckets (the moments, the step counts and, for bf16 parameters, the fp32 host master)."""
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,6 +41,13 @@ def check_state_dict(state_dict, param_groups: list[dict], *, names: dict[int, s
     than its parameter (a transposed one has the same number of elements), non-finite or negative second
     moments, a step count that is not a non-negative integer. ``names``: id(parameter) -> its name, for the
     messages; ``source`` starts them (e.g. the checkpoint's path)."""
+    if isinstance(state_dict, (str, os.PathLike)):
+        raise TypeError(f"load_state_dict takes a state dict, not a path ({state_dict}): for a file written by "
+                        "socompile.save call socompile.load(path, model, opt); for torch.save(opt.state_dict()) "
+                        "pass torch.load(path, weights_only=True)")
+    if isinstance(state_dict, dict) and "optimizer" in state_dict and "state" not in state_dict:
+        raise ValueError(f"{source} is socompile.save's whole checkpoint (model, optimizer and extra values): "
+                         "pass its ['optimizer'] entry to load_state_dict, or call socompile.load(path, model, opt)")
     for key in ("state", "param_groups"):
         if not isinstance(state_dict, dict) or key not in state_dict:
             raise ValueError(f"{source} has no {key!r} entry, so it is not a complete optimizer state_dict (cut "
