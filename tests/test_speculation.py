@@ -255,3 +255,19 @@ def test_end_to_end_clipping_and_injected_overflow_match_torch():
         assert opt.last_step_skipped == (step == 3)
     assert opt.stats["skipped_steps"] == 1 and opt.stats["clipped_steps"] >= 1
     assert_same_params(model, ref)
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 1e-3, 1e6], ids=["no validation", "clipping", "not clipping"])
+def test_stats_count_every_step_validated_or_not(max_grad_norm):
+    # Without validation the counters used to stay 0 (only validation ended a step in the statistics).
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, 16)), torch.nn.Parameter(torch.randn(300))]
+    opt = socompile.AdamW(params, lr=1e-3, max_grad_norm=max_grad_norm)
+    for _ in range(8):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        opt.zero_grad()
+    assert opt.stats["steps"] == 8
+    assert opt.stats["clipped_steps"] == (8 if max_grad_norm == 1e-3 else 0)
+    assert opt.stats["skipped_steps"] == 0

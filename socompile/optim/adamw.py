@@ -379,6 +379,7 @@ class AdamW(torch.optim.Optimizer):
                     step_now(self, bucket, 1.0)
                 upload_final(self, bucket)
             commit(self, buckets)
+            self._speculator.count_unvalidated_step()
         if self._sharding is not None:
             self._sharding.gather(buckets, changed=not (self._validating() and self.last_step_skipped))
         self._upload(buckets)
@@ -429,7 +430,8 @@ class AdamW(torch.optim.Optimizer):
 
     @property
     def stats(self) -> dict:
-        """Counters of speculation: buckets speculated, committed, rolled back, redone; time in each."""
+        """Counters: steps (every step(), validated or not), skipped and clipped ones; buckets speculated,
+        committed, rolled back, redone, held; steps a script changed the gradients of; time in each."""
         return self._speculator.stats.as_dict()
 
     def _adopt_new_trainables(self) -> None:

@@ -18,7 +18,7 @@ CLIP_EPS = 1e-6
 
 @dataclasses.dataclass
 class SpeculationStats:
-    steps: int = 0
+    steps: int = 0                # every step(), validated or not
     skipped_steps: int = 0        # non-finite gradients: nothing changed
     clipped_steps: int = 0
     speculated: int = 0           # bucket steps started before validation
@@ -74,6 +74,10 @@ class Speculator:
         self.nonfinite |= nonfinite or not math.isfinite(sumsq)
         if self.max_grad_norm is not None and not self.nonfinite:
             self.clipping_certain = math.sqrt(self.partial_sumsq) + CLIP_EPS > self.max_grad_norm
+
+    def count_unvalidated_step(self) -> None:
+        """A step with nothing to validate (no max_grad_norm, no skip-on-overflow): counted like any other."""
+        self.stats.steps += 1
 
     def end_step(self, norm: float, skipped: bool, clipped: bool) -> None:
         self.stats.steps += 1
