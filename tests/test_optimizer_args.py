@@ -92,8 +92,8 @@ def test_betas_with_one_entry_is_an_index_error_as_in_torch_and_a_value_error():
 
 
 def test_betas_given_as_a_list_or_tensors_are_stored_as_a_float_pair():
-    opt = socompile.AdamW(_params(), betas=[torch.tensor(0.8), 0.99])
-    assert opt.param_groups[0]["betas"] == (pytest.approx(0.8), 0.99)
+    opt = socompile.AdamW(_params(), betas=[torch.tensor(0.8), torch.tensor(0.99)])   # a mix: refused, as torch does
+    assert opt.param_groups[0]["betas"] == (pytest.approx(0.8), pytest.approx(0.99))
     assert all(type(b) is float for b in opt.param_groups[0]["betas"])
 
 
@@ -102,7 +102,7 @@ def test_betas_given_as_a_list_or_tensors_are_stored_as_a_float_pair():
 def test_nan_lr_eps_or_weight_decay_is_a_value_error_as_in_torch(name):
     with pytest.raises(ValueError):
         torch.optim.AdamW(_params(), **{name: float("nan")})
-    with pytest.raises(ValueError, match=f"{name} must be a finite number >= 0, got nan"):
+    with pytest.raises(ValueError, match=f"nan \\({name} must be a finite number >= 0"):
         socompile.AdamW(_params(), **{name: float("nan")})
 
 
@@ -285,3 +285,27 @@ def test_the_inverse_of_a_float64_step_with_beta1_zero_is_refused_naming_pingpon
     with pytest.raises(RuntimeError, match="rollback='inverse' cannot undo.*use rollback='pingpong'"):
         rollback_inplace(bucket, groups, grad_scale=1.0)
     assert torch.equal(bucket.master, before)   # nothing half-undone
+
+
+# torch's own words first: torch's optimizer tests (and scripts) match torch.optim.AdamW's messages.
+TORCH_BAD_ARGS = [dict(lr=-1.0), dict(lr=float("nan")), dict(lr=torch.tensor([1e-3, 1e-3])), dict(eps=-1.0),
+                  dict(weight_decay=-1.0), dict(betas=(1.0, 0.9)), dict(betas=(0.9, -0.1)),
+                  dict(betas=(0.9, torch.tensor(0.99))), dict(betas=(torch.tensor(0.9), 0.99))]
+
+
+@pytest.mark.parametrize("kwargs", TORCH_BAD_ARGS, ids=[repr(k) for k in TORCH_BAD_ARGS])
+def test_a_bad_argument_raises_torchs_type_and_begins_with_torchs_words(kwargs):
+    with pytest.raises(Exception) as theirs:
+        torch.optim.AdamW(_params(), **kwargs)
+    with pytest.raises(Exception) as ours:
+        socompile.AdamW(_params(), **kwargs)
+    assert isinstance(ours.value, type(theirs.value)), (type(ours.value), type(theirs.value))
+    assert str(ours.value).startswith(str(theirs.value)), (str(ours.value), str(theirs.value))
+    assert len(str(ours.value)) > len(str(theirs.value))   # then ours: what is wrong and what to pass
+
+
+def test_betas_none_is_a_type_error_as_in_torch_naming_what_to_pass():
+    with pytest.raises(TypeError):
+        torch.optim.AdamW(_params(), betas=None)
+    with pytest.raises(TypeError, match=r"betas must be a pair \(beta1, beta2\)"):
+        socompile.AdamW(_params(), betas=None)

@@ -20,12 +20,19 @@ class BetasLengthError(IndexError, ValueError):
     ``betas[1]``); this is that type, and a ValueError as well, the type of every other bad value here."""
 
 
+# torch.optim.AdamW's own words for a bad value: our messages begin with them (scripts and torch's own tests
+# match them), then say more.
+_TORCH_WORDS = {"lr": "Invalid learning rate", "eps": "Invalid epsilon value",
+                "weight_decay": "Invalid weight_decay value"}
+
+
 def _scalar(name: str, value, where: str) -> float:
     """``value`` as a float, for the checks: a real number or a 1-element tensor; else TypeError/ValueError."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(f"{where}{name} as a Tensor must have 1 element (one value for the whole group), got "
-                             f"shape {tuple(value.shape)}; pass a Python float or a 1-element tensor")
+            raise ValueError(f"Tensor {name} must be 1-element: {where}{name} as a Tensor must have 1 element (one "
+                             f"value for the whole group), got shape {tuple(value.shape)}; pass a Python float or a "
+                             f"1-element tensor")
         return float(value)
     if isinstance(value, numbers.Real):
         return float(value)
@@ -45,8 +52,8 @@ def _parses(text: str) -> bool:
 def _non_negative(name: str, value, where: str) -> None:
     x = _scalar(name, value, where)
     if not (math.isfinite(x) and x >= 0.0):
-        raise ValueError(f"{where}{name} must be a finite number >= 0, got {x} (a NaN or infinite {name} makes "
-                         f"every updated weight NaN)")
+        raise ValueError(f"{_TORCH_WORDS[name]}: {x} ({where}{name} must be a finite number >= 0; a NaN or infinite "
+                         f"{name} makes every updated weight NaN)")
 
 
 def checked_betas(betas, where: str = "") -> tuple[float, float]:
@@ -60,7 +67,11 @@ def checked_betas(betas, where: str = "") -> tuple[float, float]:
     pair = tuple(_scalar(f"betas[{k}]", b, where) for k, b in enumerate(betas))
     for k, b in enumerate(pair):
         if not 0.0 <= b < 1.0:
-            raise ValueError(f"{where}betas[{k}] must be in [0, 1), got {b}")
+            raise ValueError(f"Invalid beta parameter at index {k}: {b} ({where}betas[{k}] must be in [0, 1))")
+    if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+        raise ValueError(f"betas must be either both floats or both Tensors ({where}got "
+                         f"{type(betas[0]).__name__} and {type(betas[1]).__name__}; torch.optim.AdamW refuses the "
+                         f"mix too)")
     return pair
 
 
