@@ -100,5 +100,7 @@ def unowned_parameters_message(count: int, total: int, shown: str) -> str:
         text += (". If you made a socompile.AdamW for this model, it holds other Parameter objects: the "
                  "module was copied (copy.deepcopy), re-created or replaced after the optimizer was built, "
                  "so that optimizer will never see a gradient. Build the optimizer from the parameters of "
-                 "the module you compile.")
+                 "the module you compile. Under the Hugging Face Trainer (whose own optimizer is torch's), "
+                 "use socompile.hf.Trainer: it builds socompile.AdamW from TrainingArguments and compiles the "
+                 "model with this backend.")
     return text
