@@ -309,3 +309,21 @@ def test_betas_none_is_a_type_error_as_in_torch_naming_what_to_pass():
         torch.optim.AdamW(_params(), betas=None)
     with pytest.raises(TypeError, match=r"betas must be a pair \(beta1, beta2\)"):
         socompile.AdamW(_params(), betas=None)
+
+
+# ------------------------------------------------------------------ gradients are the caller's
+@pytest.mark.parametrize("kwargs", [{}, {"max_grad_norm": 1.0}, {"max_grad_norm": 1e-3},
+                                    {"weight_decay": 0.1}, {"host_master": "separate"}])
+def test_step_never_replaces_or_changes_a_gradient_as_in_torch(kwargs):
+    # torch's optimizer suite (test_grads_are_never_inplaced_into) holds every optimizer to this: after any
+    # number of steps ``p.grad`` is the very tensor the script set, its version counter unchanged. Clipping
+    # scales our copy in the landing buffer, never the script's tensor.
+    p = nn.Parameter(torch.randn(5, 1))
+    opt = socompile.AdamW([p], **kwargs)
+    p.grad = torch.rand_like(p)
+    grad, version, values = p.grad, p.grad._version, p.grad.clone()
+    for _ in range(5):
+        opt.step(lambda: torch.tensor([1.0]))
+    assert p.grad is grad
+    assert p.grad._version == version
+    assert torch.equal(p.grad, values)

@@ -325,8 +325,9 @@ class FlatBucket(HostMasterCopies):
                 continue
             view = self.view(self.grad, i)
             if g.data_ptr() != view.data_ptr():
+                # Copied, and ``.grad`` left as the caller's tensor: torch's optimizers never replace or
+                # change a gradient (torch's test_grads_are_never_inplaced_into checks its version counter).
                 view.copy_(g)
-                p.grad = view
             self.has_grad[i] = True
 
     def runs(self, group_of: list[int]) -> list[tuple[int, int, int, int]]:
@@ -438,7 +439,7 @@ class FlatBucket(HostMasterCopies):
 
     def take_script_gradients(self) -> None:
         """Make the landing buffer hold the gradients as the script left them: a ``.grad`` the script
-        replaced is copied in (and ``.grad`` is again the view), one it set to None is no gradient (torch's
+        replaced is copied in (``.grad`` stays the script's tensor), one it set to None is no gradient (torch's
         AdamW skips such a parameter). A separate master's ``.grad`` stays None: its script changed the held
         gradients in place (``held_gradient``)."""
         for i, p in enumerate(self.params):
@@ -448,8 +449,7 @@ class FlatBucket(HostMasterCopies):
             if p.grad is None:
                 self.has_grad[i] = False
             elif p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)
-                p.grad = view
+                view.copy_(p.grad)   # ``.grad`` stays the script's tensor, as in gather_eager_grads
         self._grad_version = self.grad._version
         self._script_changed = False
 
