@@ -232,7 +232,8 @@ def test_without_the_keep_alive_inductor_reuses_a_gradient_buffer_under_its_d2h_
     monkeypatch.setattr(device, "_delay", lambda: 0.02)
     monkeypatch.setattr(insert_optimizer_steps, "_grads_copied_async", lambda ctx: False)
     with pytest.raises(Exception, match="rewritten after the copy was queued"):
-        train("stationary", steps=1)
+        _, _, opt, _, _ = train("stationary", steps=1)
+        opt.wait_uploads()   # step() returned before the CPU job; the next call that needs its bucket raises
     torch._dynamo.reset()
 
 

@@ -70,6 +70,7 @@ def test_a_bf16_step_has_no_host_cast_pass_beside_the_kernels(monkeypatch, case)
         opt.step()
         opt.zero_grad()
     step(*data[0])                       # the first step makes the bf16 stages
+    opt.wait_uploads()                   # its CPU jobs included (step() may return before they end)
     buckets = [b for b in opt.buckets if b.site == "cpu"]
     assert buckets and all(b.weights is not None and b.weights.dtype == torch.bfloat16 for b in buckets)
     casts = BucketCasts(monkeypatch, {b.numel for b in buckets})
@@ -78,6 +79,7 @@ def test_a_bf16_step_has_no_host_cast_pass_beside_the_kernels(monkeypatch, case)
     assert casts.count == 0, f"{casts.count} host casts of a bucket's master beside the kernel's in 3 steps"
     if spec.get("max_grad_norm") == 1e-3:
         assert opt.stats["redone"] > 0   # the redo path ran (its clip is reached on every step)
+    opt.wait_uploads()   # step() may return before the last CPU jobs (their first reader waits): read after them
     for b in buckets:   # what crosses (the upload's or the fetch's source) is the bf16 stage, equal to the master
         crossing = b.link_source(torch.bfloat16)
         assert crossing.dtype == torch.bfloat16, b.index

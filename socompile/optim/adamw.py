@@ -23,6 +23,7 @@ stay on the host and the updated master is uploaded once a step is final; see ru
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import time
@@ -40,11 +41,11 @@ from ..runtime.host_master import upload_order
 from ..runtime.memory import HostLedger
 from ..runtime.speculation import Speculator
 from ..runtime.traffic import TrafficLedger
-from ..runtime.worker import CPUWorker
+from ..runtime.worker import BucketJobs
 from . import state_dict as optimizer_state
 from .bucket_layout import make_buckets, pool_buckets
 from .graph_claim import ClaimLayout, Claims, GraphClaim, GraphOrigin
-from .hyper import check_group
+from .hyper import check_group, hyper_snapshot
 from .module_state import ModelStateHooks, _ModuleHook  # noqa: F401  (_ModuleHook: pickled models name it here)
 from .owner import hand_over, previous_owners, set_owner
 from .state_dict import torch_param_group  # noqa: F401  (imported from here by socompile.distributed)
@@ -109,7 +110,8 @@ class AdamW(torch.optim.Optimizer):
         self.traffic_ledger = TrafficLedger()   # bytes its copies move over the link, per step (``traffic()``)
         self.last_grad_norm: float | None = None
         self.last_step_skipped = False
-        self._worker: CPUWorker | None = None
+        self._jobs = BucketJobs()   # the CPU worker's bucket jobs in flight (its steps, and the ends step() left)
+        self._step_ends: dict[int, _StepEnd] = {}   # id(bucket): a step() that returned before its job ended
         self._claims = Claims()
         self._slot: dict[int, tuple[FlatBucket, int]] = {}
         self._group_index: dict[int, int] = {}
@@ -238,6 +240,8 @@ class AdamW(torch.optim.Optimizer):
                   may_speculate: bool = True) -> None:
         """Called from inside the compiled backward when all of ``bucket``'s gradients exist."""
         self._check_not_taken_over()
+        if self._jobs.has_then(bucket):   # the end of the last step() is still with the bucket's job: end it first
+            self._jobs.wait(bucket)
         if bucket.arrivals >= self.grad_accumulation_steps:
             raise RuntimeError(f"backward ran {bucket.arrivals + 1} times before opt.step(), but the socompile "
                                f"optimizer expects {self.grad_accumulation_steps}. Call opt.step() after each "
@@ -262,13 +266,18 @@ class AdamW(torch.optim.Optimizer):
             if self.cpu_worker == "inline" and self._sharding is None:
                 self._on_bucket_complete(bucket)
             else:
-                bucket.pending = self._get_worker().submit(lambda: self._on_bucket_complete(bucket))
+                booked_in = self.traffic_ledger.steps   # its copies are this step's, whenever they are queued
+                groups = hyper_snapshot(self.param_groups)   # this step's lr, whenever the job starts
+                self._jobs.submit(bucket, lambda: self.traffic_ledger.booking(
+                    booked_in, lambda: self._on_bucket_complete(bucket, groups)))
 
     def _validating(self) -> bool:
         return self.max_grad_norm is not None or self.skip_nonfinite
 
-    def _on_bucket_complete(self, bucket: FlatBucket) -> None:
-        """Worker thread: speculate the bucket's step if still worthwhile; always learn its norm partial."""
+    def _on_bucket_complete(self, bucket: FlatBucket, groups: list[dict] | None = None) -> None:
+        """Worker thread: speculate the bucket's step if still worthwhile; always learn its norm partial.
+        ``groups``: the param groups' hyperparameters when the job was queued (``hyper_snapshot``)."""
+        groups = self.param_groups if groups is None else groups
         start = time.perf_counter()
         bucket.wait_grads()   # CUDA: this bucket's gradient copy to the host (its event only)
         if self._sharding is not None:
@@ -282,10 +291,10 @@ class AdamW(torch.optim.Optimizer):
                 return
             self.events.record("step_start", bucket.index)
             if bucket.rollback_mode == "pingpong":
-                step_bucket(bucket, self.param_groups, into_spare=True)
+                step_bucket(bucket, groups, into_spare=True)
                 bucket.swap_in_spare()
             else:
-                step_bucket(bucket, self.param_groups)
+                step_bucket(bucket, groups)
             bucket.stepped = True
             if self._sharding is None:   # ZeRO: only this rank's window is new; step() uploads after the gather
                 bucket.upload()   # separate host master: the new weights go to the device while backward goes on
@@ -297,14 +306,14 @@ class AdamW(torch.optim.Optimizer):
             spec.stats.held += 1
         elif bucket.rollback_mode == "pingpong":
             self.events.record("step_start", bucket.index)
-            bucket.partial = step_bucket(bucket, self.param_groups, into_spare=True)
+            bucket.partial = step_bucket(bucket, groups, into_spare=True)
             bucket.speculated = "spare"
             self.events.record("step_end", bucket.index)
         else:  # memory-tight: one copy of the state, undone by the algebraic inverse if needed
             bucket.partial = grad_stats(bucket)
             if not bucket.partial[1]:  # the inverse cannot undo a step that saw NaN/Inf: never take one
                 self.events.record("step_start", bucket.index)
-                step_bucket(bucket, self.param_groups)
+                step_bucket(bucket, groups)
                 bucket.speculated = "inplace"
                 self.events.record("step_end", bucket.index)
         if bucket.speculated:
@@ -333,16 +342,59 @@ class AdamW(torch.optim.Optimizer):
         """Whether ZeRO-style sharding splits this optimizer's buckets over ranks."""
         return self._sharding is not None
 
-    def _get_worker(self) -> CPUWorker:
-        if self._worker is None:
-            self._worker = CPUWorker()
-        return self._worker
-
     def _wait_pending(self) -> None:
-        for bucket in self.buckets:
-            if bucket.pending is not None:
-                future, bucket.pending = bucket.pending, None
-                future.result()  # re-raises a kernel error here, in the training loop
+        """Wait for every CPU job in flight (and end the steps that returned before theirs ended): a kernel
+        error is raised here, in the training loop, naming its bucket."""
+        jobs = self.__dict__.get("_jobs")
+        if jobs is not None:
+            jobs.wait_all()
+
+    def wait_bucket(self, bucket: FlatBucket) -> None:
+        """The training thread is about to need ``bucket``'s host state (the next forward's first read of its
+        weights): wait for its CPU job only, and end the step that ``step()`` left to it."""
+        self._jobs.wait(bucket)
+
+    # NOTE: opt.state is read after the CPU jobs step() did not wait for: its moments and step counts are
+    # final (as after torch's step()) whenever a script, a scheduler or a checkpoint reads them.
+    @property
+    def state(self):
+        self._wait_pending()
+        return self.__dict__["_state"]
+
+    @state.setter
+    def state(self, value) -> None:
+        self.__dict__["_state"] = value
+
+    def state_without_waiting(self):
+        """``opt.state`` as it is now, for the runtime's own bookkeeping while it ends one bucket's step."""
+        return self.__dict__["_state"]
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        held = state.pop("state", None)
+        super().__setstate__(state)
+        if held is not None:
+            self.state = held
+
+    def _may_return_before(self, buckets: list[FlatBucket], script_changed: list[FlatBucket]) -> set[int]:
+        """ids of the buckets whose CPU step ``step()`` need not wait for: a final step with nothing to
+        validate (ping-pong: taken into the spare and swapped in by the job itself), whose updated weights
+        the next compiled forward waits for right before its first read (``graph_waits_upload``). Every other
+        bucket is waited for: validation decides over all of them; ZeRO all-gathers after the step; a
+        script's own gradient change is redone in step(); an unread bucket has nobody else to wait for it."""
+        if script_changed or self._validating() or self._sharding is not None:
+            return set()
+        return {id(b) for b in buckets if self._jobs.running(b) and not self._jobs.has_then(b) and b.mirror
+                and b.graph_waits_upload and b.rollback_mode == "pingpong"}
+
+    def _end_step_of(self, bucket: FlatBucket) -> None:
+        """The end of a ``step()`` that returned before ``bucket``'s CPU job ended (training thread, once the
+        job has ended): its step counts and ``opt.state``, as ``step()`` does for the others."""
+        end = self._step_ends.pop(id(bucket))
+        commit(self, [bucket], has_grad=[end.has_grad])
+        bucket.reset_iteration()
+        if end.zeroed:
+            bucket.has_grad = [False] * len(bucket.params)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -352,14 +404,23 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._wait_pending()
-        self._adopt_new_trainables()
+        for bucket in self.buckets:
+            if self._jobs.has_then(bucket):   # a step() without a forward since the last one
+                self._jobs.wait(bucket)
+        if self._has_new_trainables():
+            self._wait_pending()
+            self._rebuild_pool()
         buckets = self.buckets  # a fixed order, so the global norm is summed the same way every time
         script_changed = [b for b in buckets if b.script_changed_gradients()]
+        later = self._may_return_before(buckets, script_changed)
+        for bucket in buckets:
+            if id(bucket) not in later:
+                self._jobs.wait(bucket)
         if script_changed:
             self._speculator.stats.script_changed_steps += 1
             undo_for_script_gradients(self, script_changed)
-        for bucket in buckets:
+        settled = [b for b in buckets if id(b) not in later]
+        for bucket in settled:
             if not bucket.stepped and bucket.speculated is None:
                 bucket.gather_eager_grads()
             bucket.wait_grads()
@@ -374,17 +435,22 @@ class AdamW(torch.optim.Optimizer):
         if self._validating():
             validate_and_finish(self, buckets, script_changed=bool(script_changed))
         else:
-            for bucket in upload_order(buckets):
+            for bucket in upload_order(settled):
                 if not bucket.stepped:
                     step_now(self, bucket, 1.0)
                 upload_final(self, bucket)
-            commit(self, buckets)
+            commit(self, settled)
+            for bucket in buckets:   # the job steps, swaps in and uploads; the forward's first read waits for it
+                if id(bucket) in later:
+                    self._step_ends[id(bucket)] = _StepEnd(has_grad=list(bucket.has_grad))
+                    self._jobs.then(bucket, lambda b=bucket: self._end_step_of(b))
             self._speculator.count_unvalidated_step()
         if self._sharding is not None:
             self._sharding.gather(buckets, changed=not (self._validating() and self.last_step_skipped))
-        self._upload(buckets)
-        for bucket in buckets:
+        self._upload(settled)
+        for bucket in settled:
             bucket.reset_iteration()
+        self.events.record("step_return")
         self._speculator.begin_step()
         self.traffic_ledger.end_step()
         return loss
@@ -394,7 +460,9 @@ class AdamW(torch.optim.Optimizer):
         ``step()`` to the end of the last one: its forwards, backwards and step), by (direction, dtype,
         purpose): direction "d2h" or "h2d", dtype the name of what crossed ("bfloat16", "float32"), purpose
         "gradients", "weight upload", "flow fetch", "activation offload" or "activation fetch"
-        (runtime/traffic.py). The plan predicts the same dict (socompile.plan.transfers.per_step_traffic)."""
+        (runtime/traffic.py). The plan predicts the same dict (socompile.plan.transfers.per_step_traffic).
+        Waits for the CPU jobs in flight first: an upload a job queues after ``step()`` returned is its step's."""
+        self._wait_pending()
         return dict(self.traffic_ledger.last)
 
     def _upload(self, buckets: list[FlatBucket]) -> None:
@@ -416,6 +484,7 @@ class AdamW(torch.optim.Optimizer):
         it before reading stationary parameters of a compiled model outside its training graph between
         ``opt.step()`` and the next compiled forward (an eager or ``torch.no_grad()`` evaluation, a copy);
         ``materialized_weights()`` and ``model.state_dict()`` call it."""
+        self._wait_pending()   # uploads a CPU job issues after step() returned
         for bucket in self.buckets:
             bucket.wait_upload_on_compute()
 
@@ -434,9 +503,8 @@ class AdamW(torch.optim.Optimizer):
         committed, rolled back, redone, held; steps a script changed the gradients of; time in each."""
         return self._speculator.stats.as_dict()
 
-    def _adopt_new_trainables(self) -> None:
-        if any(id(p) not in self._slot and p.grad is not None for p in self._all_params()):
-            self._rebuild_pool()
+    def _has_new_trainables(self) -> bool:
+        return any(id(p) not in self._slot and p.grad is not None for p in self._all_params())
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -444,10 +512,21 @@ class AdamW(torch.optim.Optimizer):
         that backward started: speculative steps are rolled back and steps taken final during backward are
         undone (a step the user skipped: a NaN loss, an LR finder), and the next backward starts afresh."""
         self._check_not_taken_over()
-        self._wait_pending()
+        for bucket in self.buckets:
+            if id(bucket) not in self._step_ends:   # a step() that returned is not discarded: no need to wait
+                self._jobs.wait(bucket)
         if self._sharding is not None:   # ZeRO: reductions the discarded backward started are dropped too
             self._sharding.discard(self.buckets)
+        ended_later = []
         for bucket in self.buckets:
+            end = self._step_ends.get(id(bucket))
+            if end is not None:   # its job may still read the gradients: the bucket's end forgets them
+                end.zeroed = True
+                ended_later.append(bucket)
+                for p in bucket.params:
+                    if p.grad is not None:   # not the host gradients (a separate master's .grad is the script's)
+                        p.grad = None if set_to_none else p.grad.zero_()
+                continue
             discard_iteration(self, bucket)
             for p in bucket.params:
                 if p.grad is None:
@@ -461,7 +540,8 @@ class AdamW(torch.optim.Optimizer):
             if id(p) not in self._slot and p.grad is not None:
                 p.grad = None if set_to_none else p.grad.zero_()
         self._speculator.begin_step()
-        self._upload(self.buckets)   # separate host master: weights uploaded during backward are undone too
+        # separate host master: weights uploaded during backward are undone too
+        self._upload([b for b in self.buckets if all(b is not e for e in ended_later)])
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self):
@@ -505,8 +585,8 @@ class AdamW(torch.optim.Optimizer):
                 self.wait_uploads()
         if getattr(self, "_model_state", None) is not None:
             self._model_state.remove()
-        if getattr(self, "_worker", None) is not None:
-            self._worker.shutdown()
+        if getattr(self, "_jobs", None) is not None:
+            self._jobs.shutdown()
 
 
 def _rebuilt(param_groups: list[dict], arguments: dict, state_dict: dict, counters: dict) -> AdamW:
@@ -515,3 +595,11 @@ def _rebuilt(param_groups: list[dict], arguments: dict, state_dict: dict, counte
     opt.load_state_dict(state_dict)
     opt.__dict__.update(counters)
     return opt
+
+
+@dataclasses.dataclass
+class _StepEnd:
+    """What ``step()`` knew of a bucket whose CPU job it did not wait for: which parameters had gradients, and
+    whether ``zero_grad()`` came since (the bucket's end then forgets them, as zero_grad does for the others)."""
+    has_grad: list[bool]
+    zeroed: bool = False

@@ -99,7 +99,10 @@ class GraphClaim:
         """Before this graph's forward runs: make its buckets hold its parameters' state again if another
         graph took them over (see the module's NOTE)."""
         opt = self._optimizer()
-        if opt is not None and not self.active:
+        if opt is None:
+            return
+        opt.events.record("forward")
+        if not self.active:
             opt._activate(self)
 
     def on_grads(self, bucket: int, segments: list[int], grads: list[torch.Tensor]) -> None:
@@ -117,13 +120,15 @@ class GraphClaim:
         self.buckets[bucket].wait_grads_on_compute()
 
     def wait_upload(self, bucket: int) -> None:
-        """``socompile::wait_upload``: the forward is about to read this bucket's weights first; the compute
-        stream waits for their upload (CUDA; nothing to wait for on the CPU build, where uploads are copies)."""
+        """``socompile::wait_upload``: the forward is about to read this bucket's weights first. The host waits
+        for this bucket's CPU job, if ``opt.step()`` returned before it ended (that job queues the upload),
+        then the compute stream waits for the upload (CUDA: a queued wait; the CPU build's upload is a copy)."""
         flat = self.buckets[bucket]
-        if flat.wait_upload_on_compute():
-            opt = self._optimizer()
-            if opt is not None:
-                opt.events.record("fw_wait_upload", flat.index)
+        opt = self._optimizer()
+        if opt is not None:
+            opt.wait_bucket(flat)
+        if flat.wait_upload_on_compute() and opt is not None:
+            opt.events.record("fw_wait_upload", flat.index)
 
 
 class Claims:

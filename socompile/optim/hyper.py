@@ -83,3 +83,18 @@ def check_group(group: dict, where: str = "") -> None:
             _non_negative(name, group[name], where)
     if "betas" in group:
         group["betas"] = checked_betas(group["betas"], where)
+
+
+def _frozen(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, tuple):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+def hyper_snapshot(param_groups: list[dict]) -> list[dict]:
+    """The param groups' hyperparameters as they are now (tensors copied), without their parameters. A CPU job
+    queued during backward steps with these: ``opt.step()`` may return before the job even starts, and an LR
+    scheduler's step after it (which may fill a tensor ``lr`` in place) is the next step's, as in torch."""
+    return [{k: _frozen(v) for k, v in group.items() if k != "params"} for group in param_groups]

@@ -105,6 +105,8 @@ class ModelStateHooks:
         a fetch would (``materialized``), so every rank gets the full weights, as FSDP's full state dict does:
         a collective, so every rank of the group calls ``model.state_dict()``, in the same order."""
         own = self._own(module, prefix, state_dict)
+        if own:
+            self._optimizer()._wait_pending()   # a CPU job step() did not wait for may still upload its weights
         gathered = _sharded_flow_buckets(own)
         for bucket in gathered:
             with bucket.materialized():

@@ -90,14 +90,16 @@ def roll_back(opt: "AdamW", bucket: FlatBucket) -> None:
     opt.events.record("rollback", bucket.index)
 
 
-def commit(opt: "AdamW", buckets: list[FlatBucket]) -> None:
-    """The steps are final: count them and show the current moments in ``opt.state`` (torch's layout)."""
-    for bucket in buckets:
+def commit(opt: "AdamW", buckets: list[FlatBucket], has_grad: list[list[bool]] | None = None) -> None:
+    """The steps are final: count them and show the current moments in ``opt.state`` (torch's layout).
+    ``has_grad``: per bucket, which parameters were stepped (default: the buckets' own)."""
+    for k, bucket in enumerate(buckets):
+        stepped = bucket.has_grad if has_grad is None else has_grad[k]
         for i, p in enumerate(bucket.params):
-            if not bucket.has_grad[i]:
+            if not stepped[i]:
                 continue
             bucket.steps[i] += 1
-            state = opt.state[p]
+            state = opt.state_without_waiting()[p]   # called while ending one bucket: not a wait for all
             if "step" not in state:
                 state["step"] = torch.tensor(0.0)
             alias_state(bucket, i, state)   # the current copy (a ping-pong commit may have swapped it)

@@ -123,7 +123,6 @@ class FlatBucket(HostMasterCopies):
         self.steps = [0] * len(params)
         self.has_grad = [False] * len(params)
         self.arrivals = 0          # backward passes that delivered this bucket's gradients since the last step
-        self.pending = None        # Future of the worker's task for this bucket (stats, maybe a speculative step)
         self.stepped = False       # stepped in this iteration, finally (no validation pending)
         self.speculated = None     # None, or where the speculative step wrote: "spare" or "inplace"
         self.partial = None        # (sum of squared gradients, any non-finite) of this iteration, once known

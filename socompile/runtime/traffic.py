@@ -14,6 +14,7 @@ the plan counts them. A copy that stays on one side (a host master shared with f
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import torch
 
@@ -31,20 +32,41 @@ def dtype_label(dtype: torch.dtype) -> str:
 
 
 class TrafficLedger:
-    """Bytes per (direction, dtype, purpose) of the step in progress and of the last finished step."""
+    """Bytes per (direction, dtype, purpose) of the step in progress and of the last finished step. A CPU job
+    books into the step it belongs to (``booking``), even when it queues its copies after that step's
+    ``opt.step()`` returned (the optimizer's ``traffic()`` waits for such jobs before it reads ``last``)."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self.current: dict[tuple[str, str, str], int] = {}
-        self.last: dict[tuple[str, str, str], int] = {}
+        self._books: dict[int, dict[tuple[str, str, str], int]] = {0: {}}
+        self._booking = threading.local()   # the step a worker thread's job books into
         self.steps = 0
+
+    @property
+    def current(self) -> dict[tuple[str, str, str], int]:
+        with self._lock:
+            return dict(self._books.get(self.steps, {}))
+
+    @property
+    def last(self) -> dict[tuple[str, str, str], int]:
+        with self._lock:
+            return dict(self._books.get(self.steps - 1, {}))
+
+    def booking(self, step: int, fn: Callable[[], object]) -> object:
+        """Run ``fn`` with every copy it books counted in step ``step`` (a CPU job of that step)."""
+        self._booking.step = step
+        try:
+            return fn()
+        finally:
+            del self._booking.step
 
     def add(self, direction: str, dtype: torch.dtype, purpose: str, nbytes: int) -> None:
         if nbytes <= 0:
             return
         key = (direction, dtype_label(dtype), purpose)
         with self._lock:
-            self.current[key] = self.current.get(key, 0) + int(nbytes)
+            book = self._books.setdefault(getattr(self._booking, "step", self.steps), {})
+            book[key] = book.get(key, 0) + int(nbytes)
 
     def add_copy(self, direction: str, purpose: str, dst: torch.Tensor) -> None:
         """Book a copy into ``dst``: what crosses is ``dst``'s bytes in ``dst``'s dtype (a d2h copy converts,
@@ -53,5 +75,6 @@ class TrafficLedger:
 
     def end_step(self) -> None:
         with self._lock:
-            self.last, self.current = self.current, {}
             self.steps += 1
+            self._books = {k: v for k, v in self._books.items() if k >= self.steps - 1}
+            self._books.setdefault(self.steps, {})
