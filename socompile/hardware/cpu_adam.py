@@ -55,6 +55,16 @@ def load_measured(path: str | pathlib.Path = MEASURED_FILE) -> MeasuredAdam:
 MEASURED = load_measured()
 
 
+def adam_kernel_bytes(elements: float, grad_bytes: int, writes_low_copy: bool, moment_bytes: int = 4
+                      ) -> tuple[float, float]:
+    """(read, written) bytes of one fused AdamW pass over ``elements``: the fp32 master, the gradient and both
+    moments read; master and moments written, and the 2-byte weight copy where the kernel writes it. The one
+    formula the simulator's CPU task, the calibration and the runtime's host-work ledger all use."""
+    read = elements * (4 + grad_bytes + 2 * moment_bytes)
+    written = elements * (4 + 2 * moment_bytes + (2 if writes_low_copy else 0))
+    return read, written
+
+
 def cpu_adam_bandwidth(host_bandwidth: float) -> float:
     """Bytes/s our CPU Adam streams on a host whose memory streams ``host_bandwidth``."""
     return MEASURED.ours_of_ceiling * host_bandwidth

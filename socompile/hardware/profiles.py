@@ -12,16 +12,16 @@ import math
 import os
 import pathlib
 
-from .cpu_adam import cpu_adam_bandwidth
+from .cpu_adam import adam_kernel_bytes, cpu_adam_bandwidth
 
 GB = 10**9
 
-# NOTE: CPU Adam bytes per parameter. One fused AdamW pass reads p, g, m, v and writes p, m, v: 7 fp32 streams =
-# 28 B/param (26 with bf16 gradients; +2 when it also writes the bf16 weight copy). perf/cost.py and
-# calibrate.py both use these.
-ADAM_BYTES_FP32_GRAD = 28
-ADAM_BYTES_BF16_GRAD = 26
-ADAM_BYTES_BF16_COPY = 2
+# NOTE: CPU Adam bytes per parameter (cpu_adam.adam_kernel_bytes). One fused AdamW pass reads p, g, m, v and
+# writes p, m, v: 7 fp32 streams = 28 B/param (26 with bf16 gradients; +2 when it also writes the bf16 weight
+# copy). calibrate.py turns a measured time into a bandwidth with these.
+ADAM_BYTES_FP32_GRAD = int(sum(adam_kernel_bytes(1, 4, False)))
+ADAM_BYTES_BF16_GRAD = int(sum(adam_kernel_bytes(1, 2, False)))
+ADAM_BYTES_BF16_COPY = int(sum(adam_kernel_bytes(1, 2, True)) - ADAM_BYTES_BF16_GRAD)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,7 @@ from ..runtime.flat_bucket import FlatBucket, real_dtype
 from ..runtime.host_master import upload_order
 from ..runtime.memory import HostLedger
 from ..runtime.speculation import Speculator
-from ..runtime.traffic import TrafficLedger
+from ..runtime.traffic import HostWorkLedger, TrafficLedger
 from ..runtime.worker import BucketJobs
 from . import state_dict as optimizer_state
 from .bucket_layout import make_buckets, pool_buckets
@@ -108,6 +108,7 @@ class AdamW(torch.optim.Optimizer):
         self.grad_accumulation_steps = grad_accumulation_steps
         self.events = EventLog()
         self.traffic_ledger = TrafficLedger()   # bytes its copies move over the link, per step (``traffic()``)
+        self.host_work_ledger = HostWorkLedger()   # bytes the host CPU reads and writes, per step (``host_work()``)
         self.last_grad_norm: float | None = None
         self.last_step_skipped = False
         self._jobs = BucketJobs()   # the CPU worker's bucket jobs in flight (its steps, and the ends step() left)
@@ -268,8 +269,12 @@ class AdamW(torch.optim.Optimizer):
             else:
                 booked_in = self.traffic_ledger.steps   # its copies are this step's, whenever they are queued
                 groups = hyper_snapshot(self.param_groups)   # this step's lr, whenever the job starts
-                self._jobs.submit(bucket, lambda: self.traffic_ledger.booking(
+                self._jobs.submit(bucket, lambda: self._booked_in(
                     booked_in, lambda: self._on_bucket_complete(bucket, groups)))
+
+    def _booked_in(self, step: int, fn):
+        """Run ``fn`` (a CPU job) with its link copies and host-CPU passes booked in step ``step``."""
+        return self.traffic_ledger.booking(step, lambda: self.host_work_ledger.booking(step, fn))
 
     def _validating(self) -> bool:
         return self.max_grad_norm is not None or self.skip_nonfinite
@@ -453,6 +458,7 @@ class AdamW(torch.optim.Optimizer):
         self.events.record("step_return")
         self._speculator.begin_step()
         self.traffic_ledger.end_step()
+        self.host_work_ledger.end_step()
         return loss
 
     def traffic(self) -> dict[tuple[str, str, str], int]:
@@ -464,6 +470,14 @@ class AdamW(torch.optim.Optimizer):
         Waits for the CPU jobs in flight first: an upload a job queues after ``step()`` returned is its step's."""
         self._wait_pending()
         return dict(self.traffic_ledger.last)
+
+    def host_work(self) -> dict[str, tuple[int, int]]:
+        """Bytes the host CPU read and wrote for the optimizer's runtime in the last step (counted as
+        ``traffic()`` is), by purpose: {purpose: (read, written)}, purposes of plan/host_work.py ("adam kernel",
+        "norm pass", "accumulation add", "gradient copy", "upload copy", "spare copy", "host cast", "inverse
+        step"). The plan predicts the same (socompile.plan.host_work.per_step_host_work)."""
+        self._wait_pending()
+        return self.host_work_ledger.by_purpose()
 
     def _upload(self, buckets: list[FlatBucket]) -> None:
         """Separate host master: upload every bucket whose master still changed since its last upload (ZeRO's

@@ -60,7 +60,9 @@ def make_buckets(opt: "AdamW", param_lists: list[list[nn.Parameter]], indices: l
                             site=sites[k] if sites else "cpu", flow=bool(flow and flow[k]), runtime=runtime,
                             link_dtype=link_dtypes[k] if link_dtypes else None,
                             cast_site=cast_sites[k] if cast_sites else "cpu", traffic=opt.traffic_ledger,
-                            host_ledger=opt.host_ledger)
+                            host_ledger=opt.host_ledger,
+                            # a device-site bucket's work is the device's (on the CPU build too): not booked
+                            host_work=opt.host_work_ledger if (sites[k] if sites else "cpu") == "cpu" else None)
         bucket.adopt(opt._slot)
         bucket.group_of = [opt._group_index[id(p)] for p in params]
         bucket.rollback_mode = opt.rollback

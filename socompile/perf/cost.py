@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import sympy
 
-from ..hardware.profiles import ADAM_BYTES_BF16_COPY, ADAM_BYTES_BF16_GRAD, ADAM_BYTES_FP32_GRAD, HardwareProfile
+from ..hardware.cpu_adam import adam_kernel_bytes
+from ..hardware.profiles import ADAM_BYTES_BF16_COPY, ADAM_BYTES_FP32_GRAD, HardwareProfile
 
 # Fraction of the datasheet peak that each class of operator reaches. Sources: large bf16 GEMMs on H100 reach
 # ~70% of dense peak (NVIDIA's cuBLAS/Transformer Engine benchmarks, ~650-700 of 989 TFLOP/s); FlashAttention-2/3
@@ -181,9 +182,8 @@ class CostModel:
                       bandwidth_scale: float = 1.0, tensors: int = 0):
         """Seconds of one CPU AdamW step over ``numel`` params of ``tensors`` gradient tensors (memory-bound:
         bytes per param / bandwidth), plus the runtime's work around the bucket's kernel (bucket_overhead)."""
-        per_param = ADAM_BYTES_FP32_GRAD if grad_dtype_bytes == 4 else ADAM_BYTES_BF16_GRAD
-        per_param += ADAM_BYTES_BF16_COPY if writes_bf16_copy else 0
-        return self.bucket_overhead(tensors) + numel * per_param / (self.hw.adam_bandwidth * bandwidth_scale)
+        streamed = sum(adam_kernel_bytes(numel, grad_dtype_bytes, writes_bf16_copy))   # the runtime books these
+        return self.bucket_overhead(tensors) + streamed / (self.hw.adam_bandwidth * bandwidth_scale)
 
     def cpu_cast_time(self, numel, src_bytes: int = 4, dst_bytes: int = 2):
         """Seconds of a separate cast pass on the CPU (read src, write dst) at the Adam kernel's bandwidth."""

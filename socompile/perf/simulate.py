@@ -382,14 +382,19 @@ class _Step:
         if baseline:   # unscale_and_clip_grads: fp32 gradients read and written once, before the step
             after = [b.add(f"unscale g b{bk.index}", "cpu", cost.cpu_cast_time(shard, 4, 4), after, "cast")]
         grad_bytes = 4 if baseline else dtype_bytes(bk.link_dtype)
-        writes_copy = (not baseline) and (bk.cast_site == "cpu" or bk.index in self.flow)
+        # here: socompile.plan imports this module
+        from ..plan.host_work import adam_kernel_bytes, kernel_elements, kernel_writes_low_copy
+        # the kernel's 2-byte weight copy, as the runtime writes it (fp32 weights have none to write)
+        writes_copy = (not baseline) and kernel_writes_low_copy(bk, shared_master=False, weight_bytes=self.grad_size)
+        # what the kernel steps: its runs, the padding between segments included (as the runtime's ledger books)
+        numels = self.costs.param_numels
+        elements = (kernel_elements([numels[p] for p in bk.params]) if numels else bk.numel) / self.world
+        streamed = sum(adam_kernel_bytes(elements, grad_bytes, writes_copy))
         tensors = len(bk.params)   # the runtime receives each gradient tensor into the bucket (bucket_overhead)
-        adam = b.add(f"adam b{bk.index}", "cpu", cost.cpu_adam_time(shard, grad_bytes, writes_copy, self.adam_scale,
-                                                                    tensors), after, "adam")
+        seconds = cost.cpu_adam_time(elements, grad_bytes, writes_copy, self.adam_scale, tensors)
+        adam = b.add(f"adam b{bk.index}", "cpu", seconds, after, "adam", streamed)
         if not baseline and self.speculation == "redo":   # rolled back (free: ping-pong) and stepped again
-            adam = b.add(f"redo adam b{bk.index}", "cpu",
-                         cost.cpu_adam_time(shard, grad_bytes, writes_copy, self.adam_scale, tensors),
-                         [adam, backward_last], "adam")
+            adam = b.add(f"redo adam b{bk.index}", "cpu", seconds, [adam, backward_last], "adam", streamed)
         return adam
 
     def _weights_up(self, bk, shard: float, adam: int) -> int:

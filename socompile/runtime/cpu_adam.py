@@ -12,6 +12,7 @@ import threading
 
 import torch
 
+from ..plan.host_work import ADAM_KERNEL, INVERSE_STEP, NORM_PASS, adam_kernel_bytes, norm_pass_bytes
 from . import ranges
 from .flat_bucket import FlatBucket
 
@@ -89,6 +90,8 @@ def step_bucket(bucket: FlatBucket, groups: list[dict], grad_scale: float = 1.0,
                                       bucket.exp_avg_sq[loc], grad_scale=grad_scale,
                                       **_hyper(groups[gi], step), **out)
             total, nonfinite = total + s, nonfinite or bad
+            bucket.host_work.add_work(ADAM_KERNEL, adam_kernel_bytes(end - start, bucket.grad.element_size(),
+                                                                     low is not None))
     bucket.kernel_stepped(into_spare, wrote_low=low is not None)
     return total, nonfinite
 
@@ -104,6 +107,7 @@ def grad_stats(bucket: FlatBucket) -> tuple[float, bool]:
         for start, end, _, _ in bucket.runs(bucket.group_of):
             s, bad = kernel.grad_stats(bucket.grad[bucket.host(start, end)])
             total, nonfinite = total + s, nonfinite or bad
+            bucket.host_work.add_work(NORM_PASS, norm_pass_bytes(end - start, bucket.grad.element_size()))
     return total, nonfinite
 
 
@@ -121,3 +125,4 @@ def rollback_inplace(bucket: FlatBucket, groups: list[dict], grad_scale: float) 
             loc, own = bucket.local(start, end), bucket.host(start, end)
             kernel.adam_rollback(bucket.master[own], bucket.grad[own], bucket.exp_avg[loc],
                                  bucket.exp_avg_sq[loc], grad_scale=grad_scale, **_hyper(groups[gi], step))
+            bucket.host_work.add_work(INVERSE_STEP, adam_kernel_bytes(end - start, bucket.grad.element_size(), False))

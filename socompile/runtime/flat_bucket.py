@@ -40,7 +40,8 @@ from ..dtypes import TORCH_DTYPES
 from ..plan.bucketize import ALIGN   # one layout fact for planner and runtime
 from .host_master import HALF_WEIGHTS, HostMasterCopies, flat_real
 from .memory import LANDING, MASTER, MOMENTS, SPARES
-from .traffic import TrafficLedger
+from ..plan.host_work import SPARE_COPY, copy_bytes
+from .traffic import HostWorkLedger, TrafficLedger
 from .sharded_bucket import device_shard_eligible, landing_dtype, narrow_to_device_shard, shard_window  # noqa: F401
 
 
@@ -66,7 +67,7 @@ class FlatBucket(HostMasterCopies):
     def __init__(self, index: int, params: list[nn.Parameter], shard: tuple[int, int] | None = None, *,
                  host_master: str = "shared", site: str = "cpu", flow: bool = False, runtime=None,
                  link_dtype: str | None = None, cast_site: str = "cpu", traffic: TrafficLedger | None = None,
-                 host_ledger=None):
+                 host_ledger=None, host_work: HostWorkLedger | None = None):
         if host_master not in ("shared", "separate"):
             raise ValueError(f"host_master must be 'shared' or 'separate', got {host_master!r}")
         self.mirror = host_master == "separate"
@@ -92,6 +93,7 @@ class FlatBucket(HostMasterCopies):
         self.runtime = runtime         # DeviceRuntime of the parameters' device (mirror mode)
         self.cast_site = cast_site     # the plan's: bf16 weights are cast from the master on the "cpu" or "device"
         self.traffic = traffic if traffic is not None else TrafficLedger()   # bytes its copies move (per step)
+        self.host_work = host_work if host_work is not None else HostWorkLedger()   # bytes the host CPU moves
         self.host_ledger = host_ledger  # runtime/memory.py HostLedger: books every host buffer made here
         self.dtype = real_dtype(params[0].dtype) if params else torch.float32   # of the flat weights
         self.state_dtype = state_dtype(self.dtype)   # of master, grad, moments and spare
@@ -388,6 +390,7 @@ class FlatBucket(HostMasterCopies):
                 spare_master[seg].copy_(self.master[seg])
                 spare_m[seg].copy_(self.exp_avg[seg])
                 spare_v[seg].copy_(self.exp_avg_sq[seg])
+                self.host_work.add_work(SPARE_COPY, copy_bytes(3 * self.sizes[i], 4, 4))
         self.spare = (self.master, self.exp_avg, self.exp_avg_sq)
         self.master, self.exp_avg, self.exp_avg_sq = spare_master, spare_m, spare_v
         self.dirty = True

@@ -28,6 +28,8 @@ import torch
 
 from . import ranges
 from .memory import ACCUMULATION, STAGING
+from ..plan.host_work import (ACCUMULATION_ADD, GRADIENT_COPY, HOST_CAST, UPLOAD_COPY, add_bytes,
+                              copy_bytes)
 from .traffic import GRADIENTS, WEIGHT_UPLOAD
 
 
@@ -209,6 +211,7 @@ class HostMasterCopies:
         if not self.low_in_sync():
             self.before_host_write()
             self._stage16.copy_(self.master)
+            self.host_work.add_work(HOST_CAST, copy_bytes(self.numel, 4, self._stage16.element_size()))
             self.low_synced()
 
     def before_host_write(self) -> None:
@@ -242,7 +245,9 @@ class HostMasterCopies:
         rt = self.runtime
         if rt is None or rt.kind == "cpu":
             if self.dtype != torch.bfloat16 or not self.low_in_sync():
-                self.weights.copy_(self.master)
+                self.weights.copy_(self.master)   # the CPU build's "device" is host memory: host work
+                self.host_work.add_work(UPLOAD_COPY if self.dtype == torch.float32 else HOST_CAST,
+                                        copy_bytes(self.numel, 4, self.weights.element_size()))
             self.low_synced()
             return
         src = self.master
@@ -399,6 +404,12 @@ class HostMasterCopies:
             self._count_gradients(pairs)
             self.grad_event = self.runtime.copy_many_async(pairs, self.runtime.stream("d2h"))
             return
+        if self.site == "cpu":   # the CPU build: the graph's gradients are host tensors, copied or added here
+            for i, g in zip(segments, grads):
+                self.host_work.add_work(*((ACCUMULATION_ADD, add_bytes(self.sizes[i], self.grad.element_size()))
+                                          if accumulate and self.has_grad[i] else
+                                          (GRADIENT_COPY, copy_bytes(self.sizes[i], g.element_size(),
+                                                                     self.grad.element_size()))))
         store_gradients(lambda i: self.grad[self.segment(i)], self.has_grad, segments, grads, accumulate)
         if self.mirror and self.site == "cpu":   # the CPU build's host copy stands for the link the gradients cross
             self._count_gradients([(self.grad[self.segment(i)], None) for i in segments])
@@ -424,4 +435,5 @@ class HostMasterCopies:
         for i in self._pending_adds:
             seg = self.segment(i)
             self.grad[seg].add_(self._stage_acc[seg])
+            self.host_work.add_work(ACCUMULATION_ADD, add_bytes(self.sizes[i], self.grad.element_size()))
         self._pending_adds.clear()

@@ -31,50 +31,75 @@ def dtype_label(dtype: torch.dtype) -> str:
     return _NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
-class TrafficLedger:
-    """Bytes per (direction, dtype, purpose) of the step in progress and of the last finished step. A CPU job
-    books into the step it belongs to (``booking``), even when it queues its copies after that step's
-    ``opt.step()`` returned (the optimizer's ``traffic()`` waits for such jobs before it reads ``last``)."""
+class StepBooks:
+    """Counts by key, per training step: of the step in progress (``current``) and of the last finished one
+    (``last``). A CPU job books into the step it belongs to (``booking``), even when it runs after that step's
+    ``opt.step()`` returned (the optimizer waits for such jobs before it reads ``last``)."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._books: dict[int, dict[tuple[str, str, str], int]] = {0: {}}
+        self._books: dict[int, dict] = {0: {}}
         self._booking = threading.local()   # the step a worker thread's job books into
         self.steps = 0
 
     @property
-    def current(self) -> dict[tuple[str, str, str], int]:
+    def current(self) -> dict:
         with self._lock:
             return dict(self._books.get(self.steps, {}))
 
     @property
-    def last(self) -> dict[tuple[str, str, str], int]:
+    def last(self) -> dict:
         with self._lock:
             return dict(self._books.get(self.steps - 1, {}))
 
     def booking(self, step: int, fn: Callable[[], object]) -> object:
-        """Run ``fn`` with every copy it books counted in step ``step`` (a CPU job of that step)."""
+        """Run ``fn`` with everything it books counted in step ``step`` (a CPU job of that step)."""
         self._booking.step = step
         try:
             return fn()
         finally:
             del self._booking.step
 
-    def add(self, direction: str, dtype: torch.dtype, purpose: str, nbytes: int) -> None:
-        if nbytes <= 0:
-            return
-        key = (direction, dtype_label(dtype), purpose)
+    def add_count(self, key, amount: int) -> None:
         with self._lock:
             book = self._books.setdefault(getattr(self._booking, "step", self.steps), {})
-            book[key] = book.get(key, 0) + int(nbytes)
-
-    def add_copy(self, direction: str, purpose: str, dst: torch.Tensor) -> None:
-        """Book a copy into ``dst``: what crosses is ``dst``'s bytes in ``dst``'s dtype (a d2h copy converts,
-        if at all, on the device before it crosses; an h2d copy lands as it crossed)."""
-        self.add(direction, dst.dtype, purpose, dst.numel() * dst.element_size())
+            book[key] = book.get(key, 0) + int(amount)
 
     def end_step(self) -> None:
         with self._lock:
             self.steps += 1
             self._books = {k: v for k, v in self._books.items() if k >= self.steps - 1}
             self._books.setdefault(self.steps, {})
+
+
+class TrafficLedger(StepBooks):
+    """Bytes per (direction, dtype, purpose) of the step in progress and of the last finished step."""
+
+    def add(self, direction: str, dtype: torch.dtype, purpose: str, nbytes: int) -> None:
+        if nbytes > 0:
+            self.add_count((direction, dtype_label(dtype), purpose), nbytes)
+
+    def add_copy(self, direction: str, purpose: str, dst: torch.Tensor) -> None:
+        """Book a copy into ``dst``: what crosses is ``dst``'s bytes in ``dst``'s dtype (a d2h copy converts,
+        if at all, on the device before it crosses; an h2d copy lands as it crossed)."""
+        self.add(direction, dst.dtype, purpose, dst.numel() * dst.element_size())
+
+
+class HostWorkLedger(StepBooks):
+    """Bytes the host CPU reads and writes per purpose (plan/host_work.py names them and gives the formulas
+    each pass books with), per step: keys (purpose, "read") and (purpose, "written")."""
+
+    def add_work(self, purpose: str, read_written: tuple[int, int]) -> None:
+        read, written = read_written
+        if read:
+            self.add_count((purpose, "read"), read)
+        if written:
+            self.add_count((purpose, "written"), written)
+
+    def by_purpose(self) -> dict[str, tuple[int, int]]:
+        """The last step's {purpose: (read, written)}."""
+        out: dict[str, tuple[int, int]] = {}
+        for (purpose, kind), nbytes in self.last.items():
+            r, w = out.get(purpose, (0, 0))
+            out[purpose] = (r + nbytes, w) if kind == "read" else (r, w + nbytes)
+        return out

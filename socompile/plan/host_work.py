@@ -1,0 +1,110 @@
+"""What the host CPU reads and writes per training step, by purpose: the terms the runtime books and the plan
+predicts, from one set of formulas.
+
+Per CPU-stepped bucket, for each pass the optimizer's runtime makes over host memory:
+
+    adam kernel       the fused AdamW pass over the elements the kernel steps (its runs: consecutive segments
+                      with a gradient, the padding between them included): reads the fp32 master, the gradient
+                      in the landing dtype and both fp32 moments; writes master and moments, and the 2-byte copy
+                      of bf16/fp16 weights where the kernel writes it (a separate master whose uploads or fetches
+                      read a host-cast copy). 28 B/element with fp32 gradients, 26 with 2-byte ones, +2 with the copy
+                      (hardware/profiles.py ADAM_BYTES_*). Twice when a clip redoes a speculated step.
+    norm pass         the gradient read once more for the global norm: validation of a bucket whose step was not
+                      speculated (``speculate=False``, or speculation held back).
+    accumulation add  a micro-batch after the first added into the landing buffer on the host (a separate master:
+                      it lands in a stage first): reads both, writes the landing buffer.
+    gradient copy     the CPU build only, where the graph's gradients are host tensors: each copied into the
+                      landing buffer (the gradient's bytes in, the landing dtype's out); a later micro-batch is
+                      an accumulation add instead.
+    upload copy       the CPU build only, where the "device" weights are host memory: the updated master copied
+                      into the weights of a separate master with fp32 weights (bf16 ones were written by the kernel).
+
+``adam_kernel_bytes`` (hardware/cpu_adam.py) and the others are the formulas: the runtime books each pass with them at the pass
+(``socompile.AdamW.host_work()``), ``per_step_host_work`` sums them over a plan, and the
+simulator's CPU task of a bucket is its ``adam kernel`` bytes at the CPU's Adam bandwidth. ZeRO (a rank's shard),
+activation copies of the CPU build and the first step's one-off casts are not among these terms yet.
+"""
+from __future__ import annotations
+
+from ..dtypes import dtype_bytes
+from ..hardware.cpu_adam import adam_kernel_bytes
+from .bucketize import ALIGN
+
+__all__ = ["adam_kernel_bytes", "bucket_host_work", "kernel_writes_low_copy", "per_step_host_work"]
+
+ADAM_KERNEL = "adam kernel"
+NORM_PASS = "norm pass"
+ACCUMULATION_ADD = "accumulation add"
+UPLOAD_COPY = "upload copy"
+SPARE_COPY = "spare copy"
+HOST_CAST = "host cast"
+INVERSE_STEP = "inverse step"
+GRADIENT_COPY = "gradient copy"
+PURPOSES = (ADAM_KERNEL, NORM_PASS, ACCUMULATION_ADD, GRADIENT_COPY, UPLOAD_COPY, SPARE_COPY, HOST_CAST, INVERSE_STEP)
+
+
+def kernel_writes_low_copy(b, *, shared_master: bool, weight_bytes: int) -> bool:
+    """Whether the CPU kernel writes the 2-byte weight copy of bucket ``b`` in its pass (FlatBucket.low_out):
+    2-byte weights with a separate master, uploaded from a host cast (cast_site "cpu") or fetched (flow)."""
+    return (not shared_master) and weight_bytes == 2 and (b.weight_mode == "flow" or b.cast_site == "cpu")
+
+
+def norm_pass_bytes(elements: int, grad_bytes: int) -> tuple[int, int]:
+    return elements * grad_bytes, 0
+
+
+def add_bytes(elements: int, element_bytes: int) -> tuple[int, int]:
+    """``a += b``: both read, one written."""
+    return 2 * elements * element_bytes, elements * element_bytes
+
+
+def copy_bytes(elements: int, src_bytes: int, dst_bytes: int) -> tuple[int, int]:
+    return elements * src_bytes, elements * dst_bytes
+
+
+def kernel_elements(sizes: list[int], align: int = ALIGN) -> int:
+    """Elements the kernel steps in a bucket of segments ``sizes`` that all have gradients and share one param
+    group and step count: one run from the first segment to the end of the last (the padding between them
+    included, the last one's not), as runtime/flat_bucket.py ``runs`` merges them."""
+    if not sizes:
+        return 0
+    return sum(-(-n // align) * align for n in sizes[:-1]) + sizes[-1]
+
+
+def bucket_host_work(b, sizes: list[int], *, shared_master: bool, weight_bytes: int, validating: bool,
+                     speculation: str = "on", micro_batches: int = 1, host_is_device: bool = False
+                     ) -> dict[str, tuple[int, int]]:
+    """{purpose: (read, written)} of CPU bucket ``b`` (a BucketPlan; ``sizes``: its parameters' elements) in one
+    step. ``speculation``: "on" (stepped as its gradients arrive; a validation that does not clip commits),
+    "off" (stepped after backward, or held back by a predicted or certain clip: validation first reads the norm), "redo" (speculated, then clipped: stepped
+    again). ``host_is_device``: the CPU build."""
+    if b.optimizer_site != "cpu":
+        return {}
+    elements = kernel_elements(sizes)
+    grad_bytes = 4 if shared_master else dtype_bytes(b.link_dtype)
+    low_copy = kernel_writes_low_copy(b, shared_master=shared_master, weight_bytes=weight_bytes)
+    read, written = adam_kernel_bytes(elements, grad_bytes, low_copy)
+    passes = 2 if speculation == "redo" and validating else 1
+    out = {ADAM_KERNEL: (read * passes, written * passes)}
+    if validating and speculation == "off":
+        out[NORM_PASS] = norm_pass_bytes(elements, grad_bytes)
+    if host_is_device:   # the first micro-batch's gradients copied in (from the parameters' dtype)
+        out[GRADIENT_COPY] = copy_bytes(sum(sizes), weight_bytes, grad_bytes)
+    if micro_batches > 1:
+        r, w = add_bytes(sum(sizes), grad_bytes)
+        out[ACCUMULATION_ADD] = (r * (micro_batches - 1), w * (micro_batches - 1))
+    if host_is_device and not shared_master and weight_bytes == 4 and b.weight_mode == "stationary":
+        out[UPLOAD_COPY] = copy_bytes(sum(-(-n // ALIGN) * ALIGN for n in sizes), 4, 4)   # the whole buffer
+    return out
+
+
+def per_step_host_work(plan, ir, **facts) -> dict[str, tuple[int, int]]:
+    """{purpose: (read, written)} of one step of ``plan``, summed over its buckets (``bucket_host_work``'s
+    keyword arguments in ``facts``), in the keys of ``socompile.AdamW.host_work()``."""
+    total: dict[str, tuple[int, int]] = {}
+    for b in plan.buckets:
+        sizes = [int(ir.params[p].numel) for p in b.params]
+        for purpose, (r, w) in bucket_host_work(b, sizes, **facts).items():
+            tr, tw = total.get(purpose, (0, 0))
+            total[purpose] = (tr + r, tw + w)
+    return {k: v for k, v in total.items() if v != (0, 0)}
