@@ -12,7 +12,9 @@ Configurations: N parameters as one tensor or as 64 tensors summing to N; "fp32"
 (bf16 grads in, bf16 copy of the updated params out: what an offloaded mixed-precision step needs; a torch
 user does this as grad.float() -> step -> param.to(bf16), so torch and DeepSpeed are timed with those casts).
 Both move 28 bytes per parameter in one pass (fp32: read p g m v 16 B, write p m v 12 B; bf16: read 4+2+4+4,
-write 4+4+4+2), and "GB/s" is always 28 B * N / seconds, so the column compares methods directly.
+write 4+4+4+2), and "GB/s" is 28 B * N / seconds, so the column compares methods directly; the "bf16 moments"
+rows (socompile.AdamW(moment_dtype=torch.bfloat16): m and v stored in bf16, stochastically rounded) move 20 B,
+and their "GB/s" counts those.
 
 Each method: `--warmup` untimed steps, then `--repeats` timed steps, the methods interleaved round-robin so
 load from other processes falls on all alike; median and min-max of seconds per step. All methods step the
@@ -38,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 # and what --record writes.
 from bench.adam_methods import Problem, deepspeed_status, method_table, store_choices  # noqa: E402
 from bench.adam_record import record_rates  # noqa: E402
-from bench.adam_report import fmt_size, print_bytes_arithmetic, print_ratios, summary  # noqa: E402
+from bench.adam_report import bytes_per_param, fmt_size, print_bytes_arithmetic, print_ratios, summary  # noqa: E402
 from bench.adam_timing import QuietWait, measure  # noqa: E402
 
 
@@ -120,7 +122,7 @@ def main():
         gc.collect()
         for name, ts in times.items():
             label = name + (" + casts" if mode == "bf16" and name.split()[0] in ("torch", "deepspeed") else "")
-            med, lo, hi, gbs = summary(ts, n)
+            med, lo, hi, gbs = summary(ts, n, bytes_per_param(name))
             alltimes[(k, name)] = ts
             print(f"{fmt_size(n):>5} {nt:>7} {mode:>4}  {label:<36} {med:9.4f} {lo:9.4f} {hi:9.4f} {gbs:6.1f}", flush=True)
         print()

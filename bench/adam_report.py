@@ -5,15 +5,22 @@ from __future__ import annotations
 import statistics
 
 BYTES_PER_PARAM = 28   # one pass of an Adam step, fp32 or bf16 (bench/adam.py's docstring); "GB/s" is this x N / s
+# with bf16 moments a pass moves 8 B fewer per parameter (hardware/cpu_adam.py adam_kernel_bytes): their rows'
+# "GB/s" counts the bytes they move
+BF16_MOMENT_BYTES_SAVED = 8
 
 
 def fmt_size(n):
     return f"{n >> 20}M" if n % (1 << 20) == 0 else str(n)
 
 
-def summary(times, n):
+def summary(times, n, bytes_per_param=BYTES_PER_PARAM):
     med = statistics.median(times)
-    return med, min(times), max(times), BYTES_PER_PARAM * n / med / 1e9
+    return med, min(times), max(times), bytes_per_param * n / med / 1e9
+
+
+def bytes_per_param(method: str) -> int:
+    return BYTES_PER_PARAM - (BF16_MOMENT_BYTES_SAVED if "bf16 moments" in method else 0)
 
 
 # Ratios: the methods run round-robin, so round i of every method saw about the same machine load. Each
@@ -41,6 +48,11 @@ RATIOS = [  # (label, numerator method, denominator method): > 1 means the denom
     ("ping-pong: streaming (auto) vs regular stores", "ours ping-pong, regular", "ours ping-pong"),
     ("ours ping-pong vs torch fused (in-place)", "torch fused", "ours ping-pong"),
     ("ours ping-pong vs DeepSpeedCPUAdam", "deepspeed", "ours ping-pong"),
+    ("bf16 moments: ours in-place / its ceiling [ceiling fraction]", "ceiling in-place, bf16 moments",
+     "ours in-place, bf16 moments"),
+    ("bf16 moments: ours ping-pong / its ceiling", "ceiling ping-pong, bf16 moments", "ours ping-pong, bf16 moments"),
+    ("bf16 moments vs fp32 moments, in-place (speed-up)", "ours in-place", "ours in-place, bf16 moments"),
+    ("bf16 moments vs fp32 moments, ping-pong (speed-up)", "ours ping-pong", "ours ping-pong, bf16 moments"),
 ]
 
 
@@ -73,6 +85,12 @@ def print_ratios(configs, alltimes):
         goals.append((f"{tag}: ping-pong no slower than in-place (within 3% noise)",
                       get("ours in-place", "ours ping-pong"), 0.97))
         goals.append((f"{tag}: never slower than DeepSpeedCPUAdam", get("deepspeed", "ours in-place"), 1.0))
+        if n >= 128 << 20:
+            goals.append((f"{tag}: bf16 moments >= 95% of their ceiling",
+                          get("ceiling in-place, bf16 moments", "ours in-place, bf16 moments"), 0.95))
+        if mode == "fp32" and n >= 128 << 20:   # 28 / 20 B per parameter: 1.4x at the memory ceiling
+            goals.append((f"{tag}: bf16 moments >= 1.3x the fp32-moment step",
+                          get("ours in-place", "ours in-place, bf16 moments"), 1.3))
         print()
     print("Goals, on the medians of the paired ratios")
     for text, value, goal in goals:

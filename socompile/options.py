@@ -97,6 +97,10 @@ class Options:
     bucket count and the rest), not the unclipped one. None: read from the optimizer that owns the compiled
     parameters; False when planning without one (python -m socompile plan: set it, or SOCOMPILE_CLIPPING=1, to
     plan a clipped run)."""
+    moment_dtype: str | None = None
+    """The format of the CPU buckets' Adam moments the plan counts (host memory, CPU bytes per step): 'float32'
+    or 'bfloat16' (socompile.AdamW's moment_dtype). None: read from the optimizer that owns the compiled
+    parameters; 'float32' when planning without one (python -m socompile plan --moment-dtype)."""
     on_graph_break: str = "warn"
     """On a graph break inside the compiled region: 'warn' (log where, with the source line), 'error', 'ignore'."""
     recompile_warn_after: int = 4
@@ -173,6 +177,9 @@ class Options:
             raise OptionError(f"cast_site must be 'device', 'cpu' or None, got {self.cast_site!r}")
         if self.grad_link_dtype not in (None, "float32", "bfloat16"):
             raise OptionError(f"grad_link_dtype must be 'float32', 'bfloat16' or None, got {self.grad_link_dtype!r}")
+        if self.moment_dtype not in (None, "float32", "bfloat16"):
+            raise OptionError(f"moment_dtype must be 'float32', 'bfloat16' or None (the optimizer's), got "
+                              f"{self.moment_dtype!r}")
         if self.activations not in ("auto", *ACTIVATION_CHOICES):
             *most, last = map(repr, ("auto", *ACTIVATION_CHOICES))
             raise OptionError(f"activations must be {', '.join(most)} or {last}, got {self.activations!r}")

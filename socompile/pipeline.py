@@ -101,12 +101,17 @@ def plan_once(ctx: CompileContext) -> None:
 
 
 def planning_options(ctx: CompileContext):
-    """The options the planner sees: ``clipping`` left unset is the owning optimizer's (max_grad_norm set or
-    not), so the plan optimises the step that will run."""
+    """The options the planner sees: ``clipping`` and ``moment_dtype`` left unset are the owning optimizer's
+    (max_grad_norm set or not; its moment_dtype), so the plan optimises and counts the step that will run."""
     import dataclasses
-    if ctx.options.clipping is not None or ctx.optimizer is None:
+    if ctx.optimizer is None:
         return ctx.options
-    return dataclasses.replace(ctx.options, clipping=getattr(ctx.optimizer, "max_grad_norm", None) is not None)
+    facts = {}
+    if ctx.options.clipping is None:
+        facts["clipping"] = getattr(ctx.optimizer, "max_grad_norm", None) is not None
+    if ctx.options.moment_dtype is None and getattr(ctx.optimizer, "moment_dtype", None) is not None:
+        facts["moment_dtype"] = str(ctx.optimizer.moment_dtype).removeprefix("torch.")
+    return dataclasses.replace(ctx.options, **facts) if facts else ctx.options
 
 
 def lay_out_activations(ctx: CompileContext, fw: fx.GraphModule, bw: fx.GraphModule, infos, joint) -> Graphs:

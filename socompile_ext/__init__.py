@@ -9,7 +9,8 @@ read, so a failed validation keeps them: bitwise exact, no extra traffic. `adam_
 inverse for when two copies do not fit: computed in double, NOT bitwise (error bound in docs/kernel.md),
 and it cannot undo a step whose gradient was non-finite.
 
-All tensors: CPU, contiguous, same number of elements (any shape); fp32 param/state, fp32 or bf16 grad.
+All tensors: CPU, contiguous, same number of elements (any shape); fp32 param, fp32 or bf16 moments (both
+alike), fp32 or bf16 grad.
 Bad input raises ValueError/TypeError; nothing is ever updated through a temporary copy.
 
 Importing this module does not import torch (the kernels take torch tensors, so torch is imported by the
@@ -115,18 +116,29 @@ def _step_addrs(param, grad, exp_avg, exp_avg_sq, param_out, exp_avg_out, exp_av
     p = _check("param", param, f32, None)
     n = param.numel()
     g = _check("grad", grad, (torch.float32, torch.bfloat16), n)
-    m = _check("exp_avg", exp_avg, f32, n)
-    v = _check("exp_avg_sq", exp_avg_sq, f32, n)
+    m = _check("exp_avg", exp_avg, (torch.float32, torch.bfloat16), n)
+    # the moments' format is exp_avg's: exp_avg_sq and the moment outputs must be in it too
+    moments = (exp_avg.dtype,)
+    mb16 = exp_avg.dtype == torch.bfloat16
+    v = _check("exp_avg_sq", exp_avg_sq, moments, n)
     po = p if param_out is None else _check("param_out", param_out, f32, n)
-    mo = m if exp_avg_out is None else _check("exp_avg_out", exp_avg_out, f32, n)
-    vo = v if exp_avg_sq_out is None else _check("exp_avg_sq_out", exp_avg_sq_out, f32, n)
+    mo = m if exp_avg_out is None else _check("exp_avg_out", exp_avg_out, moments, n)
+    vo = v if exp_avg_sq_out is None else _check("exp_avg_sq_out", exp_avg_sq_out, moments, n)
     p16 = 0 if param_bf16_out is None else _check("param_bf16_out", param_bf16_out, (torch.bfloat16,), n)
-    return n, p, g, m, v, po, mo, vo, p16
+    return n, p, g, m, v, po, mo, vo, p16, mb16
+
+
+def _seed_ok(round_seed) -> int:
+    if isinstance(round_seed, bool) or not isinstance(round_seed, int) or not 0 <= round_seed < 2**32:
+        raise ValueError(f"round_seed must be an int in [0, 2**32) (the seed of the bf16 moments' stochastic "
+                         f"rounding), got {round_seed!r}")
+    return round_seed
 
 
 def adam_step(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: float, beta2: float, eps: float,
               weight_decay: float, decoupled: bool = True, grad_scale: float = 1.0,
-              param_out=None, exp_avg_out=None, exp_avg_sq_out=None, param_bf16_out=None) -> tuple[float, bool]:
+              param_out=None, exp_avg_out=None, exp_avg_sq_out=None, param_bf16_out=None,
+              round_seed: int = 0) -> tuple[float, bool]:
     """One Adam (decoupled=False: L2 weight decay) or AdamW (decoupled=True) step, torch's formula.
 
     grad is multiplied by grad_scale first (e.g. the clip coefficient). Each of param_out / exp_avg_out /
@@ -134,36 +146,43 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: 
     exact rollback); otherwise that tensor is updated in place. param_bf16_out receives the updated param
     rounded to bf16 (RNE, bit-identical to .to(torch.bfloat16)). Bias correction uses `step` (1-based).
 
+    Moments in bf16 (exp_avg and exp_avg_sq, and their outputs, all bf16): read exactly, computed in fp32, stored
+    stochastically rounded with 16 random bits per element from a fixed hash of (round_seed, element index)
+    (docs/kernel.md, "bf16 moments"); the same seed gives the same bits on every path and thread count.
+
     Returns (sum of squares of the scaled gradient, whether any scaled gradient element is non-finite).
     """
-    n, p, g, m, v, po, mo, vo, p16 = _step_addrs(param, grad, exp_avg, exp_avg_sq, param_out, exp_avg_out,
-                                                 exp_avg_sq_out, param_bf16_out)
+    n, p, g, m, v, po, mo, vo, p16, mb16 = _step_addrs(param, grad, exp_avg, exp_avg_sq, param_out, exp_avg_out,
+                                                       exp_avg_sq_out, param_bf16_out)
     _hparams_ok(step, lr, beta1, beta2, eps, weight_decay)
+    seed = _seed_ok(round_seed)
     if n == 0:
         return 0.0, False
-    _check_no_overlap(_step_spans("", n, grad.element_size(), p, g, m, v, po, mo, vo, p16))
+    _check_no_overlap(_step_spans("", n, grad.element_size(), p, g, m, v, po, mo, vo, p16, 2 if mb16 else 4))
     g32, g16 = _grad_addrs(grad, g)
     return _adam.step(n, p, m, v, g32, g16, po, mo, vo, p16, int(step), float(lr), float(beta1), float(beta2),
-                      float(eps), float(weight_decay), bool(decoupled), float(grad_scale))
+                      float(eps), float(weight_decay), bool(decoupled), float(grad_scale), mb16, seed)
 
 
-def _step_spans(tag, n, gsz, p, g, m, v, po, mo, vo, p16):
-    return [(f"param{tag}", p, 4, po == p, n), (f"grad{tag}", g, gsz, False, n), (f"exp_avg{tag}", m, 4, mo == m, n),
-            (f"exp_avg_sq{tag}", v, 4, vo == v, n), (f"param_out{tag}", po if po != p else 0, 4, True, n),
-            (f"exp_avg_out{tag}", mo if mo != m else 0, 4, True, n),
-            (f"exp_avg_sq_out{tag}", vo if vo != v else 0, 4, True, n), (f"param_bf16_out{tag}", p16, 2, True, n)]
+def _step_spans(tag, n, gsz, p, g, m, v, po, mo, vo, p16, msz=4):
+    return [(f"param{tag}", p, 4, po == p, n), (f"grad{tag}", g, gsz, False, n),
+            (f"exp_avg{tag}", m, msz, mo == m, n), (f"exp_avg_sq{tag}", v, msz, vo == v, n),
+            (f"param_out{tag}", po if po != p else 0, 4, True, n),
+            (f"exp_avg_out{tag}", mo if mo != m else 0, msz, True, n),
+            (f"exp_avg_sq_out{tag}", vo if vo != v else 0, msz, True, n), (f"param_bf16_out{tag}", p16, 2, True, n)]
 
 
 def adam_step_multi(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1: float, beta2: float,
                     eps: float, weight_decay: float, decoupled: bool = True, grad_scale: float = 1.0,
                     params_out=None, exp_avgs_out=None, exp_avg_sqs_out=None,
-                    params_bf16_out=None) -> tuple[float, bool]:
+                    params_bf16_out=None, round_seeds=None) -> tuple[float, bool]:
     """adam_step over lists of tensors with one set of hyper-parameters, in one call.
 
     Each tensor gets exactly the result adam_step would give it (bit for bit); the returned sum of squares
     adds the tensors' sums in list order. One parallel region for the whole list (one fork/join, the blocks
     of all tensors shared out among the threads) instead of one per tensor. The *_out lists, when given,
-    hold one entry per tensor, each a tensor or None (None: that tensor is updated in place)."""
+    hold one entry per tensor, each a tensor or None (None: that tensor is updated in place). round_seeds: one
+    seed per tensor for bf16 moments (default 0 each; see adam_step)."""
     k = len(params)
     lists = [grads, exp_avgs, exp_avg_sqs] + [x for x in (params_out, exp_avgs_out, exp_avg_sqs_out, params_bf16_out)
                                               if x is not None]
@@ -171,6 +190,9 @@ def adam_step_multi(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: floa
         if len(x) != k:
             raise ValueError(f"adam_step_multi needs lists of equal length; got {k} params and a list of {len(x)}")
     _hparams_ok(step, lr, beta1, beta2, eps, weight_decay)
+    seeds = [0] * k if round_seeds is None else [_seed_ok(x) for x in round_seeds]
+    if len(seeds) != k:
+        raise ValueError(f"adam_step_multi needs one round seed per tensor; got {k} params and {len(seeds)} seeds")
     none = [None] * k
     outs = [x if x is not None else none for x in (params_out, exp_avgs_out, exp_avg_sqs_out, params_bf16_out)]
     import array
@@ -178,15 +200,15 @@ def adam_step_multi(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: floa
     a = array.array("q")
     spans = []
     for j in range(k):
-        n, p, g, m, v, po, mo, vo, p16 = _step_addrs(params[j], grads[j], exp_avgs[j], exp_avg_sqs[j],
-                                                     outs[0][j], outs[1][j], outs[2][j], outs[3][j])
+        n, p, g, m, v, po, mo, vo, p16, mb16 = _step_addrs(params[j], grads[j], exp_avgs[j], exp_avg_sqs[j],
+                                                           outs[0][j], outs[1][j], outs[2][j], outs[3][j])
         if n == 0:
             continue
-        spans += _step_spans(f"[{j}]", n, grads[j].element_size(), p, g, m, v, po, mo, vo, p16)
+        spans += _step_spans(f"[{j}]", n, grads[j].element_size(), p, g, m, v, po, mo, vo, p16, 2 if mb16 else 4)
         g32, g16 = _grad_addrs(grads[j], g)
-        a.extend((n, p, m, v, g32, g16, po, mo, vo, p16))
+        a.extend((n, p, m, v, g32, g16, po, mo, vo, p16, int(mb16), seeds[j]))
     _check_no_overlap(spans)
-    count = len(a) // 10
+    count = len(a) // _adam.ENTRIES
     if count == 0:
         return 0.0, False
     return _adam.step_multi(a, count, int(step), float(lr), float(beta1), float(beta2), float(eps),
@@ -201,8 +223,12 @@ def adam_rollback(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, bet
     in double with v clamped at >= 0; NOT bitwise (a few fp32 ulps, see docs/kernel.md), and a step taken
     with a non-finite gradient cannot be undone (use ping-pong state where that matters).
     """
-    n, p, g, m, v, *_ = _step_addrs(param, grad, exp_avg, exp_avg_sq, None, None, None, None)
+    n, p, g, m, v, *_, mb16 = _step_addrs(param, grad, exp_avg, exp_avg_sq, None, None, None, None)
     _hparams_ok(step, lr, beta1, beta2, eps, weight_decay)
+    if mb16:
+        raise ValueError("adam_rollback cannot undo a step with bf16 moments: they were rounded stochastically, "
+                         "so no inverse gives them back; keep the previous state instead (ping-pong: pass "
+                         "param_out/exp_avg_out/exp_avg_sq_out to adam_step)")
     if beta1 == 0.0 or beta2 == 0.0 or (decoupled and lr * weight_decay == 1.0):
         raise ValueError("this step cannot be inverted (beta1 == 0, beta2 == 0 or lr*weight_decay == 1 erase "
                          "the previous state); use ping-pong state (param_out/exp_avg_out/exp_avg_sq_out)")
@@ -263,10 +289,10 @@ def store_choice(param, grad, exp_avg, exp_avg_sq, *, param_out=None, exp_avg_ou
     adam_step_multi call this tensor is part of (the choice depends on the call's size); default: this
     tensor's. Each block's unaligned head (up to the outputs' first 64-byte boundary) and tail use regular
     stores in any case."""
-    n, p, g, m, v, po, mo, vo, p16 = _step_addrs(param, grad, exp_avg, exp_avg_sq, param_out, exp_avg_out,
-                                                 exp_avg_sq_out, param_bf16_out)
+    n, p, g, m, v, po, mo, vo, p16, mb16 = _step_addrs(param, grad, exp_avg, exp_avg_sq, param_out, exp_avg_out,
+                                                       exp_avg_sq_out, param_bf16_out)
     g32, g16 = _grad_addrs(grad, g)
-    bits = _adam.stream_choice(n, p, m, v, g32, g16, po, mo, vo, p16, int(call_numel or 0))
+    bits = _adam.stream_choice(n, p, m, v, g32, g16, po, mo, vo, p16, int(call_numel or 0), mb16)
     return {"state": bool(bits & 1), "bf16": bool(bits & 2)}
 
 
@@ -361,12 +387,12 @@ def _copy_ceiling(param, grad, exp_avg, exp_avg_sq, param_out=None, exp_avg_out=
                   param_bf16_out=None) -> None:
     """Benchmark only: the step's loads and stores with no arithmetic (the machine's ceiling for the step).
     Same store policy as adam_step (non-temporal stores for large separate outputs)."""
-    n, p, g, m, v, po, mo, vo, p16 = _step_addrs(param, grad, exp_avg, exp_avg_sq, param_out, exp_avg_out,
-                                                 exp_avg_sq_out, param_bf16_out)
+    n, p, g, m, v, po, mo, vo, p16, mb16 = _step_addrs(param, grad, exp_avg, exp_avg_sq, param_out, exp_avg_out,
+                                                       exp_avg_sq_out, param_bf16_out)
     if n == 0:
         return
     g32, g16 = _grad_addrs(grad, g)
-    _adam.copy_ceiling(n, p, m, v, g32, g16, po, mo, vo, p16)
+    _adam.copy_ceiling(n, p, m, v, g32, g16, po, mo, vo, p16, mb16)
 
 
 def _copy_ceiling_multi(params, grads, exp_avgs, exp_avg_sqs, params_out=None, exp_avgs_out=None,
@@ -379,10 +405,10 @@ def _copy_ceiling_multi(params, grads, exp_avgs, exp_avg_sqs, params_out=None, e
     outs = [x if x is not None else none for x in (params_out, exp_avgs_out, exp_avg_sqs_out, params_bf16_out)]
     a = array.array("q")
     for j in range(k):
-        n, p, g, m, v, po, mo, vo, p16 = _step_addrs(params[j], grads[j], exp_avgs[j], exp_avg_sqs[j],
-                                                     outs[0][j], outs[1][j], outs[2][j], outs[3][j])
+        n, p, g, m, v, po, mo, vo, p16, mb16 = _step_addrs(params[j], grads[j], exp_avgs[j], exp_avg_sqs[j],
+                                                           outs[0][j], outs[1][j], outs[2][j], outs[3][j])
         if n:
             g32, g16 = _grad_addrs(grads[j], g)
-            a.extend((n, p, m, v, g32, g16, po, mo, vo, p16))
+            a.extend((n, p, m, v, g32, g16, po, mo, vo, p16, int(mb16), 0))
     if len(a):
-        _adam.copy_ceiling_multi(a, len(a) // 10)
+        _adam.copy_ceiling_multi(a, len(a) // _adam.ENTRIES)

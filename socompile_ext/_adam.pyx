@@ -3,7 +3,7 @@
 messages live in __init__.py. Tensors arrive as data_ptr() addresses (zero-copy; measured ~3x less
 per-call overhead than going through t.numpy() and typed memoryviews, which matters for small buckets).
 The GIL is released around every kernel call; the kernels run their own OpenMP threads."""
-from libc.stdint cimport int64_t, uint16_t
+from libc.stdint cimport int64_t, uint16_t, uint32_t
 from libc.stdlib cimport free, malloc
 
 cdef extern from "adam.h" nogil:
@@ -23,6 +23,11 @@ cdef extern from "adam.h" nogil:
         const float *g_f32
         const uint16_t *g_bf16
         uint16_t *p_bf16_out
+        const uint16_t *m16_in
+        const uint16_t *v16_in
+        uint16_t *m16_out
+        uint16_t *v16_out
+        uint32_t round_seed
     ctypedef struct socx_stats:
         double sumsq
         int nonfinite
@@ -75,14 +80,26 @@ ctypedef size_t addr  # a tensor's data_ptr(); 0 for "not given"
 
 
 cdef void _fill(socx_buffers *b, int64_t n, addr p, addr m, addr v, addr g32, addr g16, addr p_out,
-                addr m_out, addr v_out, addr p16_out):
+                addr m_out, addr v_out, addr p16_out, bint mb16=False, uint32_t seed=0):
+    """mb16: the moment addresses (m, v, m_out, v_out) are bf16 buffers, stochastically rounded with ``seed``."""
     b.n = n
     b.p_in = <const float *>p
-    b.m_in = <const float *>m
-    b.v_in = <const float *>v
     b.p_out = <float *>p_out
-    b.m_out = <float *>m_out
-    b.v_out = <float *>v_out
+    b.m_in = b.v_in = NULL
+    b.m_out = b.v_out = NULL
+    b.m16_in = b.v16_in = NULL
+    b.m16_out = b.v16_out = NULL
+    if mb16:
+        b.m16_in = <const uint16_t *>m
+        b.v16_in = <const uint16_t *>v
+        b.m16_out = <uint16_t *>m_out
+        b.v16_out = <uint16_t *>v_out
+    else:
+        b.m_in = <const float *>m
+        b.v_in = <const float *>v
+        b.m_out = <float *>m_out
+        b.v_out = <float *>v_out
+    b.round_seed = seed
     b.g_f32 = <const float *>g32
     b.g_bf16 = <const uint16_t *>g16
     b.p_bf16_out = <uint16_t *>p16_out
@@ -107,25 +124,29 @@ cdef socx_hparams _hp(int64_t step, double lr, double beta1, double beta2, doubl
 
 def step(int64_t n, addr p, addr m, addr v, addr g32, addr g16, addr p_out, addr m_out, addr v_out,
          addr p16_out, int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
-         bint decoupled, double grad_scale):
+         bint decoupled, double grad_scale, bint mb16=False, uint32_t seed=0):
     cdef socx_buffers b
     cdef socx_hparams h = _hp(step, lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale)
     cdef socx_stats st
-    _fill(&b, n, p, m, v, g32, g16, p_out, m_out, v_out, p16_out)
+    _fill(&b, n, p, m, v, g32, g16, p_out, m_out, v_out, p16_out, mb16, seed)
     with nogil:
         st = socx_adam_step(&b, &h)
     return st.sumsq, st.nonfinite != 0
 
 
+ENTRIES = 12   # per tensor in a multi call's array
+
+
 cdef socx_buffers *_fill_many(const int64_t[::1] a, int count) except NULL:
-    """a: 10 entries per tensor (n, p, m, v, g32, g16, p_out, m_out, v_out, p16_out)."""
+    """a: ENTRIES per tensor (n, p, m, v, g32, g16, p_out, m_out, v_out, p16_out, bf16 moments, seed)."""
     cdef socx_buffers *bs = <socx_buffers *>malloc(max(count, 1) * sizeof(socx_buffers))
-    cdef int j
+    cdef int j, k
     if bs == NULL:
         raise MemoryError()
     for j in range(count):
-        _fill(&bs[j], a[10 * j], <addr>a[10 * j + 1], <addr>a[10 * j + 2], <addr>a[10 * j + 3], <addr>a[10 * j + 4],
-              <addr>a[10 * j + 5], <addr>a[10 * j + 6], <addr>a[10 * j + 7], <addr>a[10 * j + 8], <addr>a[10 * j + 9])
+        k = 12 * j
+        _fill(&bs[j], a[k], <addr>a[k + 1], <addr>a[k + 2], <addr>a[k + 3], <addr>a[k + 4], <addr>a[k + 5],
+              <addr>a[k + 6], <addr>a[k + 7], <addr>a[k + 8], <addr>a[k + 9], a[k + 10] != 0, <uint32_t>a[k + 11])
     return bs
 
 
@@ -182,17 +203,17 @@ def grad_stats(int64_t n, addr g32, addr g16):
 
 
 def copy_ceiling(int64_t n, addr p, addr m, addr v, addr g32, addr g16, addr p_out, addr m_out, addr v_out,
-                 addr p16_out):
+                 addr p16_out, bint mb16=False):
     cdef socx_buffers b
-    _fill(&b, n, p, m, v, g32, g16, p_out, m_out, v_out, p16_out)
+    _fill(&b, n, p, m, v, g32, g16, p_out, m_out, v_out, p16_out, mb16)
     with nogil:
         socx_copy_ceiling(&b)
 
 
 def stream_choice(int64_t n, addr p, addr m, addr v, addr g32, addr g16, addr p_out, addr m_out, addr v_out,
-                  addr p16_out, int64_t call_n=0):
+                  addr p16_out, int64_t call_n=0, bint mb16=False):
     cdef socx_buffers b
-    _fill(&b, n, p, m, v, g32, g16, p_out, m_out, v_out, p16_out)
+    _fill(&b, n, p, m, v, g32, g16, p_out, m_out, v_out, p16_out, mb16)
     return socx_stream_choice(&b, call_n)
 
 

@@ -39,6 +39,9 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--activations", default=None,
                         choices=("auto", *ACTIVATION_CHOICES),
                         help="per-layer activation policy (default auto: keep what fits, offload or recompute the rest)")
+    parser.add_argument("--moment-dtype", default=None, choices=("float32", "bfloat16"),
+                        help="format of the CPU buckets' Adam moments (socompile.AdamW's moment_dtype; default "
+                             "float32): bfloat16 holds 4 B of moments per parameter instead of 8")
     parser.add_argument("--dp", type=positive_int, default=1, help="data-parallel degree (ZeRO over dp x sp ranks)")
     parser.add_argument("--sp", type=positive_int, default=1, help="Ulysses sequence-parallel degree (--seq is the whole "
                         "sequence; each rank holds seq/sp tokens)")
@@ -59,6 +62,8 @@ def _plan(args):
         options["device_memory_budget"] = args.budget
     if args.activations:
         options["activations"] = args.activations
+    if args.moment_dtype:
+        options["moment_dtype"] = args.moment_dtype
     if args.dp != 1 or args.sp != 1:
         options["dp_degree"], options["sp_degree"] = args.dp, args.sp
     options["target"] = _target_for_nodes(args)

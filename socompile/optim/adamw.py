@@ -54,13 +54,32 @@ from .validation import (commit, discard_iteration, step_now, undo_for_script_gr
 
 log = logging.getLogger("socompile")
 
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def check_moment_dtype(moment_dtype, rollback: str) -> torch.dtype:
+    """The format of the CPU buckets' exp_avg / exp_avg_sq: fp32 (torch's), or bf16 (stochastically rounded
+    by the kernel: 8 bytes fewer per parameter read and written each step, 4 fewer held; docs/kernel.md)."""
+    if isinstance(moment_dtype, str) and moment_dtype.lower() in ("int8", "uint8"):
+        raise NotImplementedError(
+            f"socompile.AdamW(moment_dtype={moment_dtype!r}): 8-bit block-quantised moments are not implemented "
+            f"yet; use moment_dtype=torch.bfloat16 (4 B of moments per parameter instead of 8) or torch.float32")
+    if moment_dtype not in MOMENT_DTYPES:
+        raise TypeError(f"socompile.AdamW: moment_dtype must be torch.float32 (the default, torch's) or "
+                        f"torch.bfloat16, got {moment_dtype!r}")
+    if moment_dtype != torch.float32 and rollback == "inverse":
+        raise ValueError("socompile.AdamW: rollback='inverse' (the algebraic undo of an in-place step) cannot undo "
+                         "bf16 moments, which the kernel rounds stochastically; use rollback='pingpong' (the "
+                         "default) with moment_dtype=torch.bfloat16")
+    return moment_dtype
+
 
 class AdamW(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, max_grad_norm: float | None = None,
                  bucket_size: int | str = "64MB", grad_accumulation_steps: int = 1, decoupled: bool = True,
                  skip_nonfinite: bool | None = None, rollback: str = "pingpong", predict_clipping: bool = True,
-                 cpu_worker: str = "auto", host_master: str = "auto"):
+                 cpu_worker: str = "auto", host_master: str = "auto", moment_dtype: torch.dtype = torch.float32):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled=decoupled)
         check_group(defaults)   # torch's checks and exception types (socompile/optim/hyper.py)
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -102,6 +121,7 @@ class AdamW(torch.optim.Optimizer):
         # without clipping, behave as torch.optim.AdamW unless asked.
         self.skip_nonfinite = (max_grad_norm is not None) if skip_nonfinite is None else skip_nonfinite
         self.rollback = rollback
+        self.moment_dtype = check_moment_dtype(moment_dtype, rollback)
         self.last_step_clipped = False
         self._speculator = Speculator(max_grad_norm, predict=predict_clipping)
         self.bucket_size = parse_bytes(bucket_size, "bucket_size")
@@ -147,7 +167,7 @@ class AdamW(torch.optim.Optimizer):
                     max_grad_norm=self.max_grad_norm, bucket_size=self.bucket_size,
                     grad_accumulation_steps=self.grad_accumulation_steps, skip_nonfinite=self.skip_nonfinite,
                     rollback=self.rollback, predict_clipping=self._speculator.predict, cpu_worker=self.cpu_worker,
-                    host_master=self.host_master)
+                    host_master=self.host_master, moment_dtype=self.moment_dtype)
 
     # -------------------------------------------------------------- takeover
     def _check_not_taken_over(self) -> None:
@@ -230,6 +250,12 @@ class AdamW(torch.optim.Optimizer):
         self._claims.take_over(claim)
         claim.buckets[:] = make_buckets(self, **claim.layout.bucket_args())
         for bucket, mode in zip(claim.buckets, claim.layout.rollback or ()):
+            if mode != "pingpong" and bucket.moments_rounded:
+                raise ValueError(
+                    f"socompile.AdamW(moment_dtype={self.moment_dtype}): the compiled plan undoes bucket "
+                    f"{bucket.index}'s speculative step with the algebraic inverse (rollback 'inverse', chosen to "
+                    f"fit host memory), which bf16 moments cannot use (they are rounded stochastically: no inverse "
+                    f"gives them back). Use fp32 moments for this model, or plan for a host with more memory.")
             bucket.rollback_mode = mode
         for runtime in getattr(claim, "offload_runtimes", ()):   # the graph's device staging of its uploads
             runtime.attach_upload_staging()

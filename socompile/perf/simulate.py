@@ -135,6 +135,7 @@ class _Step:
         self.adam_scale = (MEASURED_ADAM.baseline_of_ours if self.baseline else 1.0) / lanes
         self.buckets = plan.buckets
         self.grad_size = plan_grad_dtype_bytes(plan)
+        self.moment_bytes = plan_moment_bytes(plan)
         self.flow = {bk.index for bk in self.buckets
                      if infinity or (not self.baseline and bk.weight_mode == "flow")}
         self.distance = {bk.index: (1 if self.baseline else max(1, bk.prefetch_distance)) for bk in self.buckets}
@@ -389,9 +390,10 @@ class _Step:
         # what the kernel steps: its runs, the padding between segments included (as the runtime's ledger books)
         numels = self.costs.param_numels
         elements = (kernel_elements([numels[p] for p in bk.params]) if numels else bk.numel) / self.world
-        streamed = sum(adam_kernel_bytes(elements, grad_bytes, writes_copy))
+        moment_bytes = 4 if baseline else self.moment_bytes   # ZeRO-Offload keeps fp32 moments
+        streamed = sum(adam_kernel_bytes(elements, grad_bytes, writes_copy, moment_bytes))
         tensors = len(bk.params)   # the runtime receives each gradient tensor into the bucket (bucket_overhead)
-        seconds = cost.cpu_adam_time(elements, grad_bytes, writes_copy, self.adam_scale, tensors)
+        seconds = cost.cpu_adam_time(elements, grad_bytes, writes_copy, self.adam_scale, tensors, moment_bytes)
         adam = b.add(f"adam b{bk.index}", "cpu", seconds, after, "adam", streamed)
         if not baseline and self.speculation == "redo":   # rolled back (free: ping-pong) and stepped again
             adam = b.add(f"redo adam b{bk.index}", "cpu", seconds, [adam, backward_last], "adam", streamed)
@@ -454,6 +456,11 @@ def recompute_time(lc, choice: str) -> float:
     if choice in ("selective", "selective_offload"):
         return max(0.0, lc.fw_time - lc.attention_time)
     return 0.0
+
+
+def plan_moment_bytes(plan: Plan) -> int:
+    """Bytes per Adam moment element of the plan's CPU buckets: 2 for bf16 moments, else 4."""
+    return int(dict(plan.predicted).get("moment_bytes", 4))
 
 
 def plan_grad_dtype_bytes(plan: Plan) -> int:

@@ -72,18 +72,18 @@ def kernel_elements(sizes: list[int], align: int = ALIGN) -> int:
 
 
 def bucket_host_work(b, sizes: list[int], *, shared_master: bool, weight_bytes: int, validating: bool,
-                     speculation: str = "on", micro_batches: int = 1, host_is_device: bool = False
-                     ) -> dict[str, tuple[int, int]]:
+                     speculation: str = "on", micro_batches: int = 1, host_is_device: bool = False,
+                     moment_bytes: int = 4) -> dict[str, tuple[int, int]]:
     """{purpose: (read, written)} of CPU bucket ``b`` (a BucketPlan; ``sizes``: its parameters' elements) in one
     step. ``speculation``: "on" (stepped as its gradients arrive; a validation that does not clip commits),
     "off" (stepped after backward, or held back by a predicted or certain clip: validation first reads the norm), "redo" (speculated, then clipped: stepped
-    again). ``host_is_device``: the CPU build."""
+    again). ``host_is_device``: the CPU build. ``moment_bytes``: 4 (fp32 moments) or 2 (bf16)."""
     if b.optimizer_site != "cpu":
         return {}
     elements = kernel_elements(sizes)
     grad_bytes = 4 if shared_master else dtype_bytes(b.link_dtype)
     low_copy = kernel_writes_low_copy(b, shared_master=shared_master, weight_bytes=weight_bytes)
-    read, written = adam_kernel_bytes(elements, grad_bytes, low_copy)
+    read, written = adam_kernel_bytes(elements, grad_bytes, low_copy, moment_bytes)
     passes = 2 if speculation == "redo" and validating else 1
     out = {ADAM_KERNEL: (read * passes, written * passes)}
     if validating and speculation == "off":

@@ -117,6 +117,7 @@ class HostLayout:
     pins: bool = True
     shared_master: bool = False
     accumulation: bool = False
+    moment_bytes: int = 4   # socompile.AdamW(moment_dtype=...): 4 for fp32 moments, 2 for bf16 (an optimizer argument)
 
 
 def bucket_host_buffers(b: BucketPlan, numel: int, weight_bytes: int, world: int = 1,
@@ -143,9 +144,10 @@ def bucket_host_buffers(b: BucketPlan, numel: int, weight_bytes: int, world: int
     # the plan's device cast (stationary bf16 weights, cast_site "device"): the fp32 master itself is uploaded
     device_cast = separate and bf16 and b.weight_mode == "stationary" and b.cast_site == "device" and not zero_device
     master_crosses = pins and (not bf16 or device_cast)   # uploads and fetches of non-bf16 weights read the master
-    out = [(MASTER, 4 * shard, master_crosses), (MOMENTS, 8 * shard, False)]
+    moments = 2 * layout.moment_bytes * shard   # exp_avg and exp_avg_sq
+    out = [(MASTER, 4 * shard, master_crosses), (MOMENTS, moments, False)]
     if b.rollback == "exact":   # the spare master becomes the master at a commit: pinned like it (unsharded)
-        out += [(SPARES, 4 * shard, master_crosses and world <= 1), (SPARES, 8 * shard, False)]
+        out += [(SPARES, 4 * shard, master_crosses and world <= 1), (SPARES, moments, False)]
     landing = 4 if layout.shared_master else dtype_bytes(b.link_dtype)   # shared: the parameters' fp32 .grad
     if zero_device:
         landing = dtype_bytes(gradient_link_name(weight_dtype or dtype_name(weight_bytes)))

@@ -54,9 +54,14 @@ def _weight_dtype_prediction(ctx: _Context) -> tuple:
     return (("param_dtype", ctx.weight_dtype),) if ctx.weight_dtype != dtype_name(ctx.weight_bytes) else ()
 
 
+def _moment_prediction(ctx: _Context) -> tuple:
+    """("moment_bytes", 2) for bf16 moments (plan/memory.py and the simulator read it); nothing for fp32."""
+    return (("moment_bytes", 2),) if ctx.options.moment_dtype == "bfloat16" else ()
+
+
 def _plan_of(ctx: _Context, buckets, recompute, predicted, decisions=(), unoptimized=()) -> Plan:
     predicted = predicted or (("param_dtype_bytes", ctx.weight_bytes), *_weight_dtype_prediction(ctx),
-                              *_parallel_predictions(ctx))
+                              *_moment_prediction(ctx), *_parallel_predictions(ctx))
     return Plan(target=ctx.hw.name, bucket_size=ctx.options.bucket_size, buckets=tuple(buckets),
                 unoptimized_params=tuple(unoptimized), predicted=tuple(predicted), recompute=recompute,
                 decisions=tuple(decisions), activations=tuple(ctx.choices))

@@ -40,8 +40,8 @@ from .bucketize import FP32_BYTES, bucketize
 from .floor import bucket_size_candidates, bucket_size_line, bucket_text, infeasible_message
 from .memory import MemoryEstimate, runtime_device_bytes
 from .outputs import outside_loss_note
-from .placement import (_apply_flow, _parallel_predictions, _plan_of, _prefetch_distances, _speculation,
-                        _weight_dtype_prediction, _with_k)
+from .placement import (_apply_flow, _moment_prediction, _parallel_predictions, _plan_of, _prefetch_distances,
+                        _speculation, _weight_dtype_prediction, _with_k)
 from .transfers import per_step_traffic
 from .plan import BucketPlan, Plan
 from .rollback import rollback_modes
@@ -153,6 +153,7 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
         ("shapes", tuple(sorted((names.get(k, k), v) for k, v in cost.symbol_values.items()))),
         ("param_dtype_bytes", weight_bytes),
         *_weight_dtype_prediction(ctx),
+        *_moment_prediction(ctx),
         *_parallel_predictions(ctx),
         ("device_budget_bytes", int(budget)),
         ("device_peak_bytes", int(memory.device_peak)),

@@ -22,10 +22,12 @@ def _host(ctx: _Context, buckets):
 def host_layout(options: Options, weight_bytes: int) -> HostLayout:
     """The host layout the runtime of ``options.runtime`` will use: the CPU runtime pins nothing and fp32
     parameters share the master; any other runtime (a GPU target's CUDA, or the emulated one) pins what crosses
-    the link. Gradient accumulation is the optimizer's argument, unknown here: its stage is not counted."""
+    the link. Gradient accumulation is the optimizer's argument, unknown here: its stage is not counted. The
+    moments' bytes follow ``options.moment_dtype`` (the owning optimizer's, pipeline.planning_options)."""
+    moment_bytes = 2 if options.moment_dtype == "bfloat16" else 4
     if options.runtime == "cpu":
-        return HostLayout(pins=False, shared_master=weight_bytes == 4)
-    return HostLayout()
+        return HostLayout(pins=False, shared_master=weight_bytes == 4, moment_bytes=moment_bytes)
+    return HostLayout(moment_bytes=moment_bytes)
 
 
 def rollback_modes(ctx: _Context, buckets, decisions: list[str]):

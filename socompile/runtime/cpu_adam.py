@@ -50,6 +50,15 @@ def _torch_ops(bucket: FlatBucket) -> bool:
     return bucket.master.device.type != "cpu" or bucket.master.dtype != torch.float32
 
 
+def round_seed(bucket_index: int, step: int, start: int) -> int:
+    """The seed of a run's stochastic rounding of bf16 moments. The kernel draws element i's bits from
+    hash(seed + i * 0x9E3779B9); adding ``start`` steps of that stride makes them a function of (bucket, step,
+    bucket element) alone, so a bucket cut into other runs (a ZeRO window, a parameter without a gradient)
+    rounds each element alike. A step redone after a clip draws the same bits: its rounding is repeatable."""
+    base = (step * 0x85EBCA77 + bucket_index * 0xC2B2AE3D) & 0xFFFFFFFF
+    return (base + start * 0x9E3779B9) & 0xFFFFFFFF
+
+
 def _hyper(group: dict, step: int) -> dict:
     beta1, beta2 = group["betas"]
     return dict(step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
@@ -86,12 +95,15 @@ def step_bucket(bucket: FlatBucket, groups: list[dict], grad_scale: float = 1.0,
                 out = dict(param_out=outputs[0][loc], exp_avg_out=outputs[1][loc], exp_avg_sq_out=outputs[2][loc])
             if low is not None:
                 out["param_bf16_out"] = low[start:end]
+            if bucket.moments_rounded:
+                out["round_seed"] = round_seed(bucket.index, step, start)
             s, bad = kernel.adam_step(bucket.master[own], bucket.grad[own], bucket.exp_avg[loc],
                                       bucket.exp_avg_sq[loc], grad_scale=grad_scale,
                                       **_hyper(groups[gi], step), **out)
             total, nonfinite = total + s, nonfinite or bad
             bucket.host_work.add_work(ADAM_KERNEL, adam_kernel_bytes(end - start, bucket.grad.element_size(),
-                                                                     low is not None))
+                                                                     low is not None,
+                                                                     moment_bytes=bucket.exp_avg.element_size()))
     bucket.kernel_stepped(into_spare, wrote_low=low is not None)
     return total, nonfinite
 

@@ -67,7 +67,8 @@ class FlatBucket(HostMasterCopies):
     def __init__(self, index: int, params: list[nn.Parameter], shard: tuple[int, int] | None = None, *,
                  host_master: str = "shared", site: str = "cpu", flow: bool = False, runtime=None,
                  link_dtype: str | None = None, cast_site: str = "cpu", traffic: TrafficLedger | None = None,
-                 host_ledger=None, host_work: HostWorkLedger | None = None):
+                 host_ledger=None, host_work: HostWorkLedger | None = None,
+                 moment_dtype: torch.dtype = torch.float32):
         if host_master not in ("shared", "separate"):
             raise ValueError(f"host_master must be 'shared' or 'separate', got {host_master!r}")
         self.mirror = host_master == "separate"
@@ -97,6 +98,10 @@ class FlatBucket(HostMasterCopies):
         self.host_ledger = host_ledger  # runtime/memory.py HostLedger: books every host buffer made here
         self.dtype = real_dtype(params[0].dtype) if params else torch.float32   # of the flat weights
         self.state_dtype = state_dtype(self.dtype)   # of master, grad, moments and spare
+        # of exp_avg / exp_avg_sq (and their spares): bf16 where asked for and the CPU kernel steps fp32 host
+        # state (it rounds them stochastically); a device-stepped or float64 bucket keeps its state dtype
+        self.moment_dtype = (moment_dtype if self.state_dtype == torch.float32 and not (self.mirror and site == "device")
+                             else self.state_dtype)
         self.device = params[0].device if params else torch.device("cpu")
         self.offsets, self.sizes = [], []
         total = 0
@@ -120,8 +125,8 @@ class FlatBucket(HostMasterCopies):
         elif shard is not None and shard[1] > 1:
             self.window = shard_window(total, *shard)
             self.state_lo, state = self.window[0], self.window[1] - self.window[0]
-        self.exp_avg = self._state_buffer(state, MOMENTS)
-        self.exp_avg_sq = self._state_buffer(state, MOMENTS)
+        self.exp_avg = self._state_buffer(state, MOMENTS, dtype=self.moment_dtype)
+        self.exp_avg_sq = self._state_buffer(state, MOMENTS, dtype=self.moment_dtype)
         self.steps = [0] * len(params)
         self.has_grad = [False] * len(params)
         self.arrivals = 0          # backward passes that delivered this bucket's gradients since the last step
@@ -210,6 +215,11 @@ class FlatBucket(HostMasterCopies):
         if p.is_complex():
             return torch.view_as_complex(buffer[self.segment(i)].view(*p.shape, 2))
         return buffer[self.segment(i)].view(p.shape)
+
+    @property
+    def moments_rounded(self) -> bool:
+        """The moments are stored in bf16 (stochastically rounded at each step): no algebraic inverse."""
+        return self.moment_dtype != self.state_dtype
 
     @property
     def sharded(self) -> bool:
@@ -360,8 +370,8 @@ class FlatBucket(HostMasterCopies):
             # The spare master becomes the master at a commit (swap_in_spare): pinned when the master is.
             master_size = (self.exp_avg if self.sharded else self.master).numel()
             self.spare = (self._state_buffer(master_size, SPARES, crosses=not self.sharded and self.master_crosses()),
-                          self._state_buffer(self.exp_avg.numel(), SPARES, crosses=False),
-                          self._state_buffer(self.exp_avg_sq.numel(), SPARES, crosses=False))
+                          self._state_buffer(self.exp_avg.numel(), SPARES, crosses=False, dtype=self.moment_dtype),
+                          self._state_buffer(self.exp_avg_sq.numel(), SPARES, crosses=False, dtype=self.moment_dtype))
         return self.spare
 
     def swap_in_spare(self) -> None:
@@ -390,7 +400,8 @@ class FlatBucket(HostMasterCopies):
                 spare_master[seg].copy_(self.master[seg])
                 spare_m[seg].copy_(self.exp_avg[seg])
                 spare_v[seg].copy_(self.exp_avg_sq[seg])
-                self.host_work.add_work(SPARE_COPY, copy_bytes(3 * self.sizes[i], 4, 4))
+                state_bytes = self.master.element_size() + 2 * self.exp_avg.element_size()   # master + moments
+                self.host_work.add_work(SPARE_COPY, copy_bytes(self.sizes[i], state_bytes, state_bytes))
         self.spare = (self.master, self.exp_avg, self.exp_avg_sq)
         self.master, self.exp_avg, self.exp_avg_sq = spare_master, spare_m, spare_v
         self.dirty = True

@@ -45,6 +45,13 @@ typedef struct {
     const float *g_f32;      /* exactly one of g_f32 / g_bf16 is non-NULL */
     const uint16_t *g_bf16;
     uint16_t *p_bf16_out;    /* optional: bf16 copy of the updated parameter, RNE rounded */
+    /* bf16 moments: m16_in, v16_in, m16_out, v16_out all given and m_in, v_in, m_out, v_out NULL (or the
+     * reverse: fp32 moments). Computed in fp32 as always; stored stochastically rounded to bf16 with the
+     * random bits socx_round_bits(round_seed, element index) (adam_internal.h), so any path, thread count
+     * and block split gives the same bits. */
+    const uint16_t *m16_in, *v16_in;
+    uint16_t *m16_out, *v16_out;
+    uint32_t round_seed;
 } socx_buffers;
 
 /* Result of a pass over a gradient: sum of squares (in double) and whether anything was non-finite. */
@@ -70,7 +77,8 @@ int socx_get_dynamic_schedule(void);
 
 /* Algebraic inverse of socx_adam_step on (p, m, v) in place, given the same gradient, hparams and step.
  * Computed in double; v clamped at >= 0. Not bitwise: see docs/kernel.md. Returns 0, or -1 when the
- * step cannot be inverted (beta1 == 0, beta2 == 0, or a decoupled decay factor of 0). */
+ * step cannot be inverted (beta1 == 0, beta2 == 0, or a decoupled decay factor of 0), -2 for bf16 moments
+ * (stochastically rounded: no inverse exists; their exact rollback is ping-pong). */
 int socx_adam_rollback(const socx_buffers *b, const socx_hparams *h);
 
 /* Sum of squares and non-finite flag of a gradient (one of g_f32 / g_bf16 non-NULL). */

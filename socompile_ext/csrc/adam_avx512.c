@@ -26,20 +26,43 @@ AI __m256i f32_to_bf16_16(__m512 x) {
     return _mm512_cvtepi32_epi16(r);
 }
 
-/* One vector of the step. FULL: all 16 lanes, plain (or streaming) loads/stores; otherwise lanes in k. */
+/* socx_round_bits of elements i .. i+15 (the same integer hash, 16 lanes). */
+AI __m512i round_bits16(uint32_t seed, int64_t i) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)i), lane);
+    __m512i x = _mm512_add_epi32(_mm512_set1_epi32((int)seed), _mm512_mullo_epi32(idx, _mm512_set1_epi32((int)0x9E3779B9u)));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x846CA68Bu));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+/* Same rounding as socx_f32_to_bf16_sr: the low 16 bits of r added below the kept bits, every NaN -> 0xFFFF. */
+AI __m256i f32_to_bf16_sr_16(__m512 x, __m512i r) {
+    __m512i u = _mm512_add_epi32(_mm512_castps_si512(x), _mm512_and_si512(r, _mm512_set1_epi32(0xFFFF)));
+    __m512i t = _mm512_srli_epi32(u, 16);
+    __mmask16 ordered = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
+    t = _mm512_mask_blend_epi32(ordered, _mm512_set1_epi32(0xFFFF), t);
+    return _mm512_cvtepi32_epi16(t);
+}
+
+/* One vector of the step. FULL: all 16 lanes, plain (or streaming) loads/stores; otherwise lanes in k.
+ * MB16: bf16 moments (loaded exactly, stored stochastically rounded). */
 AI void step16(const socx_buffers *b, const socx_consts *c, int64_t i, __mmask16 k, const int FULL,
-               const int GBF16, const int OUT16, const int STREAM, __m512d *acc_lo, __m512d *acc_hi) {
+               const int GBF16, const int OUT16, const int STREAM, const int MB16, __m512d *acc_lo,
+               __m512d *acc_hi) {
     __m512 g, p, m, v;
     if (FULL) {
         g = GBF16 ? bf16_to_f32_16(_mm256_loadu_si256((const __m256i *)(b->g_bf16 + i))) : _mm512_loadu_ps(b->g_f32 + i);
         p = _mm512_loadu_ps(b->p_in + i);
-        m = _mm512_loadu_ps(b->m_in + i);
-        v = _mm512_loadu_ps(b->v_in + i);
+        m = MB16 ? bf16_to_f32_16(_mm256_loadu_si256((const __m256i *)(b->m16_in + i))) : _mm512_loadu_ps(b->m_in + i);
+        v = MB16 ? bf16_to_f32_16(_mm256_loadu_si256((const __m256i *)(b->v16_in + i))) : _mm512_loadu_ps(b->v_in + i);
     } else {
         g = GBF16 ? bf16_to_f32_16(_mm256_maskz_loadu_epi16(k, b->g_bf16 + i)) : _mm512_maskz_loadu_ps(k, b->g_f32 + i);
         p = _mm512_maskz_loadu_ps(k, b->p_in + i);
-        m = _mm512_maskz_loadu_ps(k, b->m_in + i);
-        v = _mm512_maskz_loadu_ps(k, b->v_in + i);
+        m = MB16 ? bf16_to_f32_16(_mm256_maskz_loadu_epi16(k, b->m16_in + i)) : _mm512_maskz_loadu_ps(k, b->m_in + i);
+        v = MB16 ? bf16_to_f32_16(_mm256_maskz_loadu_epi16(k, b->v16_in + i)) : _mm512_maskz_loadu_ps(k, b->v_in + i);
     }
     g = _mm512_mul_ps(g, _mm512_set1_ps(c->gscale));
     /* squares in double; masked-off lanes hold +0 and add nothing */
@@ -59,7 +82,23 @@ AI void step16(const socx_buffers *b, const socx_consts *c, int64_t i, __mmask16
     __m512 den = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), _mm512_set1_ps(c->bc2s)), _mm512_set1_ps(c->eps));
     p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(c->step_size), m), den));
 
-    if (FULL && STREAM) {
+    if (MB16) {
+        __m512i r = round_bits16(b->round_seed, i);
+        __m256i mh = f32_to_bf16_sr_16(m, r), vh = f32_to_bf16_sr_16(v, _mm512_srli_epi32(r, 16));
+        if (FULL && STREAM) {
+            _mm512_stream_ps(b->p_out + i, p);
+            _mm256_stream_si256((__m256i *)(b->m16_out + i), mh);
+            _mm256_stream_si256((__m256i *)(b->v16_out + i), vh);
+        } else if (FULL) {
+            _mm512_storeu_ps(b->p_out + i, p);
+            _mm256_storeu_si256((__m256i *)(b->m16_out + i), mh);
+            _mm256_storeu_si256((__m256i *)(b->v16_out + i), vh);
+        } else {
+            _mm512_mask_storeu_ps(b->p_out + i, k, p);
+            _mm256_mask_storeu_epi16(b->m16_out + i, k, mh);
+            _mm256_mask_storeu_epi16(b->v16_out + i, k, vh);
+        }
+    } else if (FULL && STREAM) {
         _mm512_stream_ps(b->p_out + i, p);
         _mm512_stream_ps(b->m_out + i, m);
         _mm512_stream_ps(b->v_out + i, v);
@@ -101,7 +140,7 @@ AI void positions_to_lanes(__m512d lo, __m512d hi, int64_t h, double *logical) {
 }
 
 AI double step_impl(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1, const int GBF16,
-                    const int OUT16, const int STREAM) {
+                    const int OUT16, const int STREAM, const int MB16) {
     __m512d acc_lo = _mm512_setzero_pd(), acc_hi = _mm512_setzero_pd();
     double lanes[16];
     int64_t i = i0, h = 0;
@@ -110,7 +149,7 @@ AI double step_impl(const socx_buffers *b, const socx_consts *c, int64_t i0, int
         /* regular (masked) stores up to the first 64-byte boundary of the streamed outputs */
         h = socx_stream_head(c, i0, i1);
         if (h > 0) {
-            step16(b, c, i, (__mmask16)((1u << h) - 1u), 0, GBF16, OUT16, STREAM, &acc_lo, &acc_hi);
+            step16(b, c, i, (__mmask16)((1u << h) - 1u), 0, GBF16, OUT16, STREAM, MB16, &acc_lo, &acc_hi);
             _mm512_storeu_pd(lanes, acc_lo);
             _mm512_storeu_pd(lanes + 8, acc_hi);
             lanes_to_positions(lanes, h, &acc_lo, &acc_hi);
@@ -121,15 +160,15 @@ AI double step_impl(const socx_buffers *b, const socx_consts *c, int64_t i0, int
     for (; i + 16 <= i1; i += 16) {
         if (pf) {  /* software prefetch of the input streams, pf elements ahead (off by default) */
             _mm_prefetch((const char *)(b->p_in + i + pf), _MM_HINT_T0);
-            _mm_prefetch((const char *)(b->m_in + i + pf), _MM_HINT_T0);
-            _mm_prefetch((const char *)(b->v_in + i + pf), _MM_HINT_T0);
+            _mm_prefetch(MB16 ? (const char *)(b->m16_in + i + pf) : (const char *)(b->m_in + i + pf), _MM_HINT_T0);
+            _mm_prefetch(MB16 ? (const char *)(b->v16_in + i + pf) : (const char *)(b->v_in + i + pf), _MM_HINT_T0);
             _mm_prefetch(GBF16 ? (const char *)(b->g_bf16 + i + pf) : (const char *)(b->g_f32 + i + pf), _MM_HINT_T0);
         }
-        step16(b, c, i, 0xFFFF, 1, GBF16, OUT16, STREAM, &acc_lo, &acc_hi);
+        step16(b, c, i, 0xFFFF, 1, GBF16, OUT16, STREAM, MB16, &acc_lo, &acc_hi);
     }
     if (i < i1) {
         __mmask16 k = (__mmask16)((1u << (i1 - i)) - 1u);
-        step16(b, c, i, k, 0, GBF16, OUT16, STREAM, &acc_lo, &acc_hi);
+        step16(b, c, i, k, 0, GBF16, OUT16, STREAM, MB16, &acc_lo, &acc_hi);
     }
     if (any_stream) _mm_sfence();
     if (h > 0) {
@@ -141,14 +180,21 @@ AI double step_impl(const socx_buffers *b, const socx_consts *c, int64_t i0, int
     return socx_reduce16(lanes);
 }
 
+/* constant flags let the compiler build one loop per combination, with no per-element branches on them */
+#define SOCX_STEP_FLAGS(MB)                                                                                    \
+    do {                                                                                                       \
+        if (!gb && !o16) return st ? step_impl(b, c, i0, i1, 0, 0, 1, MB) : step_impl(b, c, i0, i1, 0, 0, 0, MB); \
+        if (!gb && o16) return st ? step_impl(b, c, i0, i1, 0, 1, 1, MB) : step_impl(b, c, i0, i1, 0, 1, 0, MB);  \
+        if (gb && !o16) return st ? step_impl(b, c, i0, i1, 1, 0, 1, MB) : step_impl(b, c, i0, i1, 1, 0, 0, MB);  \
+        return st ? step_impl(b, c, i0, i1, 1, 1, 1, MB) : step_impl(b, c, i0, i1, 1, 1, 0, MB);                 \
+    } while (0)
+
 double socx_step_avx512(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1) {
     const int gb = b->g_bf16 != NULL, o16 = b->p_bf16_out != NULL, st = c->stream;
-    /* constant flags let the compiler build one loop per combination, with no per-element branches on them */
-    if (!gb && !o16) return st ? step_impl(b, c, i0, i1, 0, 0, 1) : step_impl(b, c, i0, i1, 0, 0, 0);
-    if (!gb && o16) return st ? step_impl(b, c, i0, i1, 0, 1, 1) : step_impl(b, c, i0, i1, 0, 1, 0);
-    if (gb && !o16) return st ? step_impl(b, c, i0, i1, 1, 0, 1) : step_impl(b, c, i0, i1, 1, 0, 0);
-    return st ? step_impl(b, c, i0, i1, 1, 1, 1) : step_impl(b, c, i0, i1, 1, 1, 0);
+    if (b->m16_in) SOCX_STEP_FLAGS(1);
+    SOCX_STEP_FLAGS(0);
 }
+#undef SOCX_STEP_FLAGS
 
 double socx_sumsq_avx512(const float *g32, const uint16_t *g16, int64_t i0, int64_t i1) {
     __m512d acc_lo = _mm512_setzero_pd(), acc_hi = _mm512_setzero_pd();
@@ -179,8 +225,8 @@ void socx_copy_avx512(const socx_buffers *b, const socx_consts *c, int64_t i0, i
         const int64_t len = step < i1 - i ? step : i1 - i;
         if (pf) {
             _mm_prefetch((const char *)(b->p_in + i + pf), _MM_HINT_T0);
-            _mm_prefetch((const char *)(b->m_in + i + pf), _MM_HINT_T0);
-            _mm_prefetch((const char *)(b->v_in + i + pf), _MM_HINT_T0);
+            _mm_prefetch(b->m16_in ? (const char *)(b->m16_in + i + pf) : (const char *)(b->m_in + i + pf), _MM_HINT_T0);
+            _mm_prefetch(b->v16_in ? (const char *)(b->v16_in + i + pf) : (const char *)(b->v_in + i + pf), _MM_HINT_T0);
             _mm_prefetch(b->g_f32 ? (const char *)(b->g_f32 + i + pf) : (const char *)(b->g_bf16 + i + pf), _MM_HINT_T0);
         }
         const int full = len == 16;
@@ -188,16 +234,31 @@ void socx_copy_avx512(const socx_buffers *b, const socx_consts *c, int64_t i0, i
         __m512i g = b->g_f32 ? _mm512_maskz_loadu_epi32(k, b->g_f32 + i)
                              : _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, b->g_bf16 + i));
         __m512i p = _mm512_maskz_loadu_epi32(k, b->p_in + i);
-        __m512i m = _mm512_maskz_loadu_epi32(k, b->m_in + i);
-        __m512i v = _mm512_xor_si512(_mm512_maskz_loadu_epi32(k, b->v_in + i), _mm512_and_si512(g, zero));
-        if (full && c->stream) {
-            _mm512_stream_si512((__m512i *)(b->p_out + i), p);
-            _mm512_stream_si512((__m512i *)(b->m_out + i), m);
-            _mm512_stream_si512((__m512i *)(b->v_out + i), v);
+        if (b->m16_in) {  /* bf16 moments: the step's 2-byte loads and stores */
+            __m256i m = _mm256_maskz_loadu_epi16(k, b->m16_in + i);
+            __m256i v = _mm256_xor_si256(_mm256_maskz_loadu_epi16(k, b->v16_in + i),
+                                         _mm512_cvtepi32_epi16(_mm512_and_si512(g, zero)));
+            if (full && c->stream) {
+                _mm512_stream_si512((__m512i *)(b->p_out + i), p);
+                _mm256_stream_si256((__m256i *)(b->m16_out + i), m);
+                _mm256_stream_si256((__m256i *)(b->v16_out + i), v);
+            } else {
+                _mm512_mask_storeu_epi32(b->p_out + i, k, p);
+                _mm256_mask_storeu_epi16(b->m16_out + i, k, m);
+                _mm256_mask_storeu_epi16(b->v16_out + i, k, v);
+            }
         } else {
-            _mm512_mask_storeu_epi32(b->p_out + i, k, p);
-            _mm512_mask_storeu_epi32(b->m_out + i, k, m);
-            _mm512_mask_storeu_epi32(b->v_out + i, k, v);
+            __m512i m = _mm512_maskz_loadu_epi32(k, b->m_in + i);
+            __m512i v = _mm512_xor_si512(_mm512_maskz_loadu_epi32(k, b->v_in + i), _mm512_and_si512(g, zero));
+            if (full && c->stream) {
+                _mm512_stream_si512((__m512i *)(b->p_out + i), p);
+                _mm512_stream_si512((__m512i *)(b->m_out + i), m);
+                _mm512_stream_si512((__m512i *)(b->v_out + i), v);
+            } else {
+                _mm512_mask_storeu_epi32(b->p_out + i, k, p);
+                _mm512_mask_storeu_epi32(b->m_out + i, k, m);
+                _mm512_mask_storeu_epi32(b->v_out + i, k, v);
+            }
         }
         if (b->p_bf16_out) {
             __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(p, 16));

@@ -187,13 +187,19 @@ static void store_choice(const socx_buffers *b, int64_t call_n, socx_consts *c) 
     if (g_store_policy == SOCX_STORES_REGULAR || isa == SOCX_ISA_SCALAR || isa == SOCX_ISA_NEON) return;
     const int always = g_store_policy == SOCX_STORES_STREAMING;
     const int big = always || call_n >= socx_stream_threshold();
-    const int separate = b->p_out != b->p_in && b->m_out != b->m_in && b->v_out != b->v_in;
+    const int m16 = b->m16_in != NULL;   /* bf16 moments: 2-byte outputs, 32-byte aligned per 16 elements */
+    const void *mo = m16 ? (const void *)b->m16_out : (const void *)b->m_out;
+    const void *vo = m16 ? (const void *)b->v16_out : (const void *)b->v_out;
+    const void *mi = m16 ? (const void *)b->m16_in : (const void *)b->m_in;
+    const void *vi = m16 ? (const void *)b->v16_in : (const void *)b->v_in;
+    const int separate = b->p_out != b->p_in && mo != mi && vo != vi;
     if (isa == SOCX_ISA_SVE) {  /* STNT1 has no alignment requirement */
         c->stream = big && (separate || always);
         c->stream_bf16 = big && b->p_bf16_out != NULL;
         return;
     }
-    int rp = stream_residue(b->p_out, 4), rm = stream_residue(b->m_out, 4), rv = stream_residue(b->v_out, 4);
+    const unsigned msize = m16 ? 2 : 4;
+    int rp = stream_residue(b->p_out, 4), rm = stream_residue(mo, msize), rv = stream_residue(vo, msize);
     c->stream = big && (separate || always) && rp >= 0 && rp == rm && rp == rv;
     if (c->stream) c->align_r = rp;
     if (big && b->p_bf16_out != NULL) {
@@ -430,6 +436,7 @@ void socx_copy_ceiling(const socx_buffers *b) { socx_copy_ceiling_multi(b, 1); }
 /* The inverse runs in double on the fp32 constants the step actually used, so what it undoes is the
  * step's own arithmetic; only the roundings of the step are lost (see docs/kernel.md for the bound). */
 int socx_adam_rollback(const socx_buffers *b, const socx_hparams *h) {
+    if (b->m16_in) return -2;   /* rounded moments (stochastically) cannot be inverted: ping-pong only */
     if (h->beta1 == 0.0 || h->beta2 == 0.0) return -1;
     if (b->n <= 0) return 0;
     socx_consts c;

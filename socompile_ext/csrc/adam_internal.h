@@ -110,6 +110,31 @@ static inline uint16_t socx_f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* Stochastic rounding of the bf16 moments. A moment's update is often far below bf16's resolution (v * beta2
+ * with beta2 = 0.999 changes v by 0.1%, an eighth of an ulp of 8 mantissa bits): rounded to nearest it would
+ * never decay. Adding 16 uniform random bits below the kept ones before truncating rounds up with probability
+ * equal to the dropped fraction, so each stored moment equals its fp32 value in expectation. The bits come from
+ * a fixed integer hash of (seed, element index): every path, thread count and block split draws the same
+ * bits, and an eager reference can reproduce them. Low 16 bits round m, high 16 bits round v. */
+static inline uint32_t socx_round_bits(uint32_t seed, int64_t i) {
+    uint32_t x = seed + (uint32_t)i * 0x9E3779B9u;   /* golden-ratio step: neighbouring elements spread out */
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    x ^= x >> 16;
+    return x;
+}
+
+/* fp32 -> bf16 rounded up with probability (dropped bits) / 2^16 given 16 random bits r; every NaN -> 0xFFFF
+ * (as socx_f32_to_bf16); a finite value next to the largest may round to Inf, as it may at nearest. */
+static inline uint16_t socx_f32_to_bf16_sr(float f, uint32_t r) {
+    uint32_t u;
+    if (f != f) return 0xFFFFu;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + (r & 0xFFFFu)) >> 16);
+}
+
 static inline float socx_load_grad(const socx_buffers *b, int64_t i) {
     return b->g_f32 ? b->g_f32[i] : socx_bf16_to_f32(b->g_bf16[i]);
 }
@@ -119,7 +144,10 @@ static inline float socx_load_grad(const socx_buffers *b, int64_t i) {
 static inline float socx_adam_elem(const socx_buffers *b, const socx_consts *c, int64_t i) {
     float g = socx_load_grad(b, i) * c->gscale;
     float gs = g;
-    float p = b->p_in[i], m = b->m_in[i], v = b->v_in[i];
+    const int m16 = b->m16_in != NULL;
+    float p = b->p_in[i];
+    float m = m16 ? socx_bf16_to_f32(b->m16_in[i]) : b->m_in[i];
+    float v = m16 ? socx_bf16_to_f32(b->v16_in[i]) : b->v_in[i];
     if (c->use_l2) g = g + c->l2 * p;
     p = p * c->decay;
     float d = g - m;
@@ -128,8 +156,14 @@ static inline float socx_adam_elem(const socx_buffers *b, const socx_consts *c, 
     float den = sqrtf(v) / c->bc2s + c->eps;
     p = p - (c->step_size * m) / den;
     b->p_out[i] = p;
-    b->m_out[i] = m;
-    b->v_out[i] = v;
+    if (m16) {
+        uint32_t r = socx_round_bits(b->round_seed, i);
+        b->m16_out[i] = socx_f32_to_bf16_sr(m, r);
+        b->v16_out[i] = socx_f32_to_bf16_sr(v, r >> 16);
+    } else {
+        b->m_out[i] = m;
+        b->v_out[i] = v;
+    }
     if (b->p_bf16_out) b->p_bf16_out[i] = socx_f32_to_bf16(p);
     return gs;
 }

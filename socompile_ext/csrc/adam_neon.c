@@ -24,6 +24,25 @@ AI uint16x4_t f32_to_bf16_4(float32x4_t x) {
     return vmovn_u32(r);
 }
 
+/* socx_round_bits of elements i .. i+3 (the same integer hash, 4 lanes). */
+AI uint32x4_t round_bits4(uint32_t seed, int64_t i) {
+    const uint32_t lanes[4] = {0, 1, 2, 3};
+    uint32x4_t idx = vaddq_u32(vdupq_n_u32((uint32_t)i), vld1q_u32(lanes));
+    uint32x4_t x = vaddq_u32(vdupq_n_u32(seed), vmulq_u32(idx, vdupq_n_u32(0x9E3779B9u)));
+    x = veorq_u32(x, vshrq_n_u32(x, 16));
+    x = vmulq_u32(x, vdupq_n_u32(0x7FEB352Du));
+    x = veorq_u32(x, vshrq_n_u32(x, 15));
+    x = vmulq_u32(x, vdupq_n_u32(0x846CA68Bu));
+    return veorq_u32(x, vshrq_n_u32(x, 16));
+}
+
+/* Same rounding as socx_f32_to_bf16_sr (the low 16 bits of r added below the kept bits, every NaN -> 0xFFFF). */
+AI uint16x4_t f32_to_bf16_sr_4(float32x4_t x, uint32x4_t r) {
+    uint32x4_t t = vshrq_n_u32(vaddq_u32(vreinterpretq_u32_f32(x), vandq_u32(r, vdupq_n_u32(0xFFFF))), 16);
+    t = vbslq_u32(vceqq_f32(x, x), t, vdupq_n_u32(0xFFFF));
+    return vmovn_u32(t);
+}
+
 AI void sq_acc(float32x4_t g, float64x2_t *lo, float64x2_t *hi) {
     float64x2_t a = vcvt_f64_f32(vget_low_f32(g));
     float64x2_t b = vcvt_high_f64_f32(g);
@@ -32,11 +51,11 @@ AI void sq_acc(float32x4_t g, float64x2_t *lo, float64x2_t *hi) {
 }
 
 AI void step4(const socx_buffers *b, const socx_consts *c, int64_t i, const int GBF16, const int OUT16,
-              float64x2_t *acc_lo, float64x2_t *acc_hi) {
+              const int MB16, float64x2_t *acc_lo, float64x2_t *acc_hi) {
     float32x4_t g = GBF16 ? bf16_to_f32_4(b->g_bf16 + i) : vld1q_f32(b->g_f32 + i);
     float32x4_t p = vld1q_f32(b->p_in + i);
-    float32x4_t m = vld1q_f32(b->m_in + i);
-    float32x4_t v = vld1q_f32(b->v_in + i);
+    float32x4_t m = MB16 ? bf16_to_f32_4(b->m16_in + i) : vld1q_f32(b->m_in + i);
+    float32x4_t v = MB16 ? bf16_to_f32_4(b->v16_in + i) : vld1q_f32(b->v_in + i);
     g = vmulq_f32(g, vdupq_n_f32(c->gscale));
     sq_acc(g, acc_lo, acc_hi);
     if (c->use_l2) g = vaddq_f32(g, vmulq_f32(vdupq_n_f32(c->l2), p));
@@ -50,18 +69,24 @@ AI void step4(const socx_buffers *b, const socx_consts *c, int64_t i, const int 
     float32x4_t den = vaddq_f32(vdivq_f32(vsqrtq_f32(v), vdupq_n_f32(c->bc2s)), vdupq_n_f32(c->eps));
     p = vsubq_f32(p, vdivq_f32(vmulq_f32(vdupq_n_f32(c->step_size), m), den));
     vst1q_f32(b->p_out + i, p);
-    vst1q_f32(b->m_out + i, m);
-    vst1q_f32(b->v_out + i, v);
+    if (MB16) {
+        uint32x4_t r = round_bits4(b->round_seed, i);
+        vst1_u16(b->m16_out + i, f32_to_bf16_sr_4(m, r));
+        vst1_u16(b->v16_out + i, f32_to_bf16_sr_4(v, vshrq_n_u32(r, 16)));
+    } else {
+        vst1q_f32(b->m_out + i, m);
+        vst1q_f32(b->v_out + i, v);
+    }
     if (OUT16) vst1_u16(b->p_bf16_out + i, f32_to_bf16_4(p));
 }
 
 AI double step_impl(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1, const int GBF16,
-                    const int OUT16) {
+                    const int OUT16, const int MB16) {
     float64x2_t acc[8];
     for (int k = 0; k < 8; k++) acc[k] = vdupq_n_f64(0.0);
     int64_t i = i0;
     for (; i + 16 <= i1; i += 16)
-        for (int q = 0; q < 4; q++) step4(b, c, i + 4 * q, GBF16, OUT16, &acc[2 * q], &acc[2 * q + 1]);
+        for (int q = 0; q < 4; q++) step4(b, c, i + 4 * q, GBF16, OUT16, MB16, &acc[2 * q], &acc[2 * q + 1]);
     double lanes[16];
     for (int k = 0; k < 8; k++) vst1q_f64(lanes + 2 * k, acc[k]);
     socx_step_tail(b, c, i0, i, i1, lanes);
@@ -69,11 +94,17 @@ AI double step_impl(const socx_buffers *b, const socx_consts *c, int64_t i0, int
 }
 
 double socx_step_neon(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1) {
-    const int gb = b->g_bf16 != NULL, o16 = b->p_bf16_out != NULL;
-    if (!gb && !o16) return step_impl(b, c, i0, i1, 0, 0);
-    if (!gb && o16) return step_impl(b, c, i0, i1, 0, 1);
-    if (gb && !o16) return step_impl(b, c, i0, i1, 1, 0);
-    return step_impl(b, c, i0, i1, 1, 1);
+    const int gb = b->g_bf16 != NULL, o16 = b->p_bf16_out != NULL, mb = b->m16_in != NULL;
+    if (mb) {
+        if (!gb && !o16) return step_impl(b, c, i0, i1, 0, 0, 1);
+        if (!gb && o16) return step_impl(b, c, i0, i1, 0, 1, 1);
+        if (gb && !o16) return step_impl(b, c, i0, i1, 1, 0, 1);
+        return step_impl(b, c, i0, i1, 1, 1, 1);
+    }
+    if (!gb && !o16) return step_impl(b, c, i0, i1, 0, 0, 0);
+    if (!gb && o16) return step_impl(b, c, i0, i1, 0, 1, 0);
+    if (gb && !o16) return step_impl(b, c, i0, i1, 1, 0, 0);
+    return step_impl(b, c, i0, i1, 1, 1, 0);
 }
 
 double socx_sumsq_neon(const float *g32, const uint16_t *g16, int64_t i0, int64_t i1) {
@@ -98,8 +129,13 @@ void socx_copy_neon(const socx_buffers *b, const socx_consts *c, int64_t i0, int
         uint32x4_t g = b->g_f32 ? vld1q_u32((const uint32_t *)b->g_f32 + i) : vmovl_u16(vld1_u16(b->g_bf16 + i));
         uint32x4_t p = vld1q_u32((const uint32_t *)b->p_in + i);
         vst1q_u32((uint32_t *)b->p_out + i, p);
-        vst1q_u32((uint32_t *)b->m_out + i, vld1q_u32((const uint32_t *)b->m_in + i));
-        vst1q_u32((uint32_t *)b->v_out + i, veorq_u32(vld1q_u32((const uint32_t *)b->v_in + i), vandq_u32(g, zero)));
+        if (b->m16_in) {  /* bf16 moments: the step's 2-byte loads and stores */
+            vst1_u16(b->m16_out + i, vld1_u16(b->m16_in + i));
+            vst1_u16(b->v16_out + i, veor_u16(vld1_u16(b->v16_in + i), vmovn_u32(vandq_u32(g, zero))));
+        } else {
+            vst1q_u32((uint32_t *)b->m_out + i, vld1q_u32((const uint32_t *)b->m_in + i));
+            vst1q_u32((uint32_t *)b->v_out + i, veorq_u32(vld1q_u32((const uint32_t *)b->v_in + i), vandq_u32(g, zero)));
+        }
         if (b->p_bf16_out) vst1_u16(b->p_bf16_out + i, vshrn_n_u32(p, 16));
     }
     if (i < i1) socx_copy_scalar(b, c, i, i1);

@@ -24,8 +24,13 @@ void socx_copy_scalar(const socx_buffers *b, const socx_consts *c, int64_t i0, i
         uint32_t g = b->g_f32 ? ((const uint32_t *)b->g_f32)[i] : (uint32_t)b->g_bf16[i];
         uint32_t pv = p[i];
         po[i] = pv;
-        mo[i] = m[i];
-        vo[i] = v[i] ^ (g & zero);
+        if (b->m16_in) {  /* bf16 moments: the step's 2-byte loads and stores */
+            b->m16_out[i] = b->m16_in[i];
+            b->v16_out[i] = (uint16_t)(b->v16_in[i] ^ (g & zero));
+        } else {
+            mo[i] = m[i];
+            vo[i] = v[i] ^ (g & zero);
+        }
         if (b->p_bf16_out) b->p_bf16_out[i] = (uint16_t)(pv >> 16);
     }
 }

@@ -5,7 +5,8 @@
  * For every usable vector path it compares against the scalar path: p, m, v and the bf16 copy bit for bit
  * (two NaNs count as equal: only NaN-ness is specified across instruction sets), the gradient sum of squares
  * bit for bit for the 16-lane paths and to 1e-12 relative for SVE, the non-finite flag exactly; and results
- * for 1 and 3 threads bit for bit. Exit status 0 when everything agrees; prints one line per failure.
+ * for 1 and 3 threads bit for bit; with fp32 and with bf16 moments (stochastically rounded: the same bits on
+ * every path). Exit status 0 when everything agrees; prints one line per failure.
  */
 #include <math.h>
 #include <stdio.h>
@@ -29,7 +30,7 @@ static int failures = 0;
 
 typedef struct {
     float *p, *m, *v, *g32, *po, *mo, *vo;
-    uint16_t *g16, *p16;
+    uint16_t *g16, *p16, *m16, *v16;   /* m16, v16: the moments as bf16 (the bf16-moment inputs) */
 } bufs;
 
 static void *alloc64(size_t bytes) {
@@ -42,11 +43,11 @@ static void alloc_bufs(bufs *b, int64_t n) {
     size_t f = (size_t)n * sizeof(float), h = (size_t)n * sizeof(uint16_t);
     b->p = alloc64(f), b->m = alloc64(f), b->v = alloc64(f), b->g32 = alloc64(f);
     b->po = alloc64(f), b->mo = alloc64(f), b->vo = alloc64(f);
-    b->g16 = alloc64(h), b->p16 = alloc64(h);
+    b->g16 = alloc64(h), b->p16 = alloc64(h), b->m16 = alloc64(h), b->v16 = alloc64(h);
 }
 
 static void free_bufs(bufs *b) {
-    free(b->p), free(b->m), free(b->v), free(b->g32), free(b->po), free(b->mo), free(b->vo), free(b->g16), free(b->p16);
+    free(b->p), free(b->m), free(b->v), free(b->g32), free(b->po), free(b->mo), free(b->vo), free(b->g16), free(b->p16), free(b->m16), free(b->v16);
 }
 
 static void fill(bufs *b, int64_t n, int specials) {
@@ -56,6 +57,8 @@ static void fill(bufs *b, int64_t n, int specials) {
         b->m[i] = normalish() * 0.1f;
         b->v[i] = uniform() * 0.01f;
         b->g16[i] = socx_f32_to_bf16(normalish());
+        b->m16[i] = socx_f32_to_bf16(b->m[i]);
+        b->v16[i] = socx_f32_to_bf16(b->v[i]);
     }
     if (specials && n > 8) {
         b->g32[n / 3] = NAN, b->g16[n / 3] = 0x7FC1;
@@ -77,21 +80,33 @@ static int same_bf16(uint16_t a, uint16_t b) {
 
 typedef struct {
     float *p, *m, *v;
-    uint16_t *p16;
+    uint16_t *p16, *m16, *v16;
     socx_stats st, gs;
 } result;
 
-static result run(const bufs *in, int64_t n, int gbf16, int out16, int pingpong, const socx_hparams *h) {
+static result run(const bufs *in, int64_t n, int gbf16, int out16, int pingpong, int mb16, const socx_hparams *h) {
     result r;
     size_t f = (size_t)n * sizeof(float);
     r.p = alloc64(f), r.m = alloc64(f), r.v = alloc64(f), r.p16 = alloc64((size_t)n * 2 + 2);
+    r.m16 = alloc64((size_t)n * 2 + 2), r.v16 = alloc64((size_t)n * 2 + 2);
+    memset(r.m, 0, f), memset(r.v, 0, f), memset(r.m16, 0, (size_t)n * 2), memset(r.v16, 0, (size_t)n * 2);
     socx_buffers b;
     memset(&b, 0, sizeof b);
     b.n = n;
     b.g_f32 = gbf16 ? NULL : in->g32;
     b.g_bf16 = gbf16 ? in->g16 : NULL;
     b.p_bf16_out = out16 ? r.p16 : NULL;
-    if (pingpong) {
+    if (mb16) {  /* bf16 moments, stochastically rounded with a seed of their own */
+        size_t hb = (size_t)n * 2;
+        b.round_seed = 0xC0FFEEu;
+        if (pingpong) {
+            b.p_in = in->p, b.m16_in = in->m16, b.v16_in = in->v16;
+        } else {
+            memcpy(r.p, in->p, f), memcpy(r.m16, in->m16, hb), memcpy(r.v16, in->v16, hb);
+            b.p_in = r.p, b.m16_in = r.m16, b.v16_in = r.v16;
+        }
+        b.p_out = r.p, b.m16_out = r.m16, b.v16_out = r.v16;
+    } else if (pingpong) {
         b.p_in = in->p, b.m_in = in->m, b.v_in = in->v;
         b.p_out = r.p, b.m_out = r.m, b.v_out = r.v;
     } else {
@@ -104,12 +119,13 @@ static result run(const bufs *in, int64_t n, int gbf16, int out16, int pingpong,
     return r;
 }
 
-static void release(result *r) { free(r->p), free(r->m), free(r->v), free(r->p16); }
+static void release(result *r) { free(r->p), free(r->m), free(r->v), free(r->p16), free(r->m16), free(r->v16); }
 
 static void compare(const char *what, const result *a, const result *ref, int64_t n, int out16, int exact_sum) {
     for (int64_t i = 0; i < n; i++) {
         if (!same_f32(a->p[i], ref->p[i]) || !same_f32(a->m[i], ref->m[i]) || !same_f32(a->v[i], ref->v[i]) ||
-            (out16 && !same_bf16(a->p16[i], ref->p16[i]))) {
+            (out16 && !same_bf16(a->p16[i], ref->p16[i])) || !same_bf16(a->m16[i], ref->m16[i]) ||
+            !same_bf16(a->v16[i], ref->v16[i])) {
             printf("FAIL %s: element %lld of %lld differs (p %a vs %a, m %a vs %a, v %a vs %a)\n", what, (long long)i,
                    (long long)n, a->p[i], ref->p[i], a->m[i], ref->m[i], a->v[i], ref->v[i]);
             failures++;
@@ -155,22 +171,25 @@ int main(void) {
         bufs in;
         alloc_bufs(&in, n);
         fill(&in, n, s % 2);
-        for (int combo = 0; combo < 32; combo++) {
+        for (int combo = 0; combo < 64; combo++) {
             int gbf16 = combo & 1, out16 = (combo >> 1) & 1, pingpong = (combo >> 2) & 1, decoupled = (combo >> 3) & 1,
-                big_lerp = (combo >> 4) & 1;
-            if (big && (combo & 3) != 3 && combo != 4) continue; /* keep qemu time modest for the large size */
+                big_lerp = (combo >> 4) & 1, mb16 = (combo >> 5) & 1;
+            /* keep qemu time modest for the large size */
+            if (big && (combo & 31) != 3 && (combo & 31) != 4 && (combo & 31) != 7) continue;
             socx_hparams h = {7, 1e-3, big_lerp ? 0.3 : 0.9, 0.999, 1e-8, 0.1, decoupled, 0.75};
             socx_force_isa(SOCX_ISA_SCALAR);
             socx_set_num_threads(1);
-            result ref = run(&in, n, gbf16, out16, pingpong, &h);
+            result ref = run(&in, n, gbf16, out16, pingpong, mb16, &h);
             for (int k = 0; k < npaths; k++) {
                 for (int threads = 1; threads <= 3; threads += 2) {
                     char what[160];
-                    snprintf(what, sizeof what, "%s threads=%d n=%lld gbf16=%d out16=%d pingpong=%d decoupled=%d beta1=%g",
-                             socx_isa_name(paths[k]), threads, (long long)n, gbf16, out16, pingpong, decoupled, h.beta1);
+                    snprintf(what, sizeof what,
+                             "%s threads=%d n=%lld gbf16=%d out16=%d pingpong=%d decoupled=%d beta1=%g mb16=%d",
+                             socx_isa_name(paths[k]), threads, (long long)n, gbf16, out16, pingpong, decoupled, h.beta1,
+                             mb16);
                     socx_force_isa(paths[k]);
                     socx_set_num_threads(threads);
-                    result r = run(&in, n, gbf16, out16, pingpong, &h);
+                    result r = run(&in, n, gbf16, out16, pingpong, mb16, &h);
                     compare(what, &r, &ref, n, out16, paths[k] != SOCX_ISA_SVE);
                     release(&r);
                     checks++;
