@@ -246,3 +246,82 @@ def test_an_offline_plan_with_bf16_moments_holds_and_streams_the_bytes_it_says(b
     assert streamed == sum(predicted[ADAM_KERNEL])
     fp32 = plans["float32"]
     assert sim.step_time <= simulate(fp32.plan, fp32.costs, fp32.cost).step_time   # fewer bytes, never slower
+
+
+def test_the_planner_never_gives_bf16_moments_the_inverse_rollback():
+    """Short of host memory, an fp32-moment plan drops ping-pong spares for the algebraic inverse; bf16 moments
+    have no inverse, so their plan keeps every spare or fails naming why. The host below is chosen between the
+    two: with all spares dropped an fp32 plan needs 12 B per CPU parameter less than with ping-pong (master 4 +
+    moments 8), a bf16 plan only 8 less (and its ping-pong total is 8 below fp32's); the usable host is set at
+    10.8 B per parameter (0.9 of the fp32 spares) below the fp32 ping-pong total, so fp32 fits with inverse
+    buckets and bf16 does not fit at all."""
+    from socompile.plan.planner import plan_with_details
+    from socompile.plan.search_state import HOST_HEADROOM, PlanError
+    from test_plan_helpers import options, profile, traced
+    ir = traced(bf16=True)
+    roomy = plan_with_details(ir, profile(), options(gpu_buckets=0)).plan
+    total, spares = roomy.prediction("host_bytes"), dict(roomy.prediction("host_parts"))["ping-pong spares"]
+    tight = profile(host_memory=(total - 0.9 * spares) / HOST_HEADROOM)
+    fp32 = plan_with_details(ir, tight, options(gpu_buckets=0)).plan
+    assert any(b.rollback == "inverse" for b in fp32.buckets)
+    with pytest.raises(PlanError, match="bf16 moments cannot use the algebraic inverse"):
+        plan_with_details(ir, tight, options(gpu_buckets=0, moment_dtype="bfloat16"))
+
+
+def _zero_worker(args: dict) -> dict:
+    """dp ranks, ZeRO-sharded socompile.AdamW with bf16 moments, against one unsharded socompile.AdamW with bf16
+    moments on the global batch (every rank's micro-batch, gradients averaged as the reduce-scatter does)."""
+    import torch.nn.functional as F
+
+    import socompile.distributed as sd
+    topo = sd.init_distributed(timeout_s=60)
+    torch.manual_seed(0)
+    model = build("tiny", n_layers=1)
+    ref = copy.deepcopy(model)
+    hyper = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-6, max_grad_norm=0.5,
+                 bucket_size="40KB", moment_dtype=torch.bfloat16)
+    opt = socompile.AdamW(model.parameters(), **hyper)
+    sd.shard_optimizer(opt, topo.world_group)
+    ref_opt = socompile.AdamW(ref.parameters(), **hyper)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(args["steps"]):
+        tokens = torch.randint(0, 256, (2 * topo.dp, 33), generator=gen)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        mine = slice(2 * topo.dp_rank, 2 * topo.dp_rank + 2)
+        F.cross_entropy(model(x[mine]).flatten(0, 1), y[mine].flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+        for rank in range(topo.dp):
+            rows = slice(2 * rank, 2 * rank + 2)
+            F.cross_entropy(ref(x[rows]).flatten(0, 1), y[rows].flatten()).backward()
+        for p in ref.parameters():
+            p.grad /= topo.dp
+        ref_opt.step()
+        ref_opt.zero_grad()
+    err = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    moments = {str(b.exp_avg.dtype) for b in opt.buckets}
+    held = sum(t.numel() * t.element_size() for b in opt.buckets for t in (b.exp_avg, b.exp_avg_sq))
+    whole = sum(t.numel() * t.element_size() for b in ref_opt.buckets for t in (b.exp_avg, b.exp_avg_sq))
+    digest = [float(p.double().sum()) for p in model.parameters()]
+    sd.shutdown()
+    return {"err": err, "moments": sorted(moments), "held": held, "whole": whole, "digest": digest}
+
+
+def test_zero_dp2_with_bf16_moments_equals_one_process_on_the_global_batch():
+    """Tolerance 1e-4 on the weights after 8 steps (lr 1e-3): the fp32 ZeRO test's 3e-5 for the gradients'
+    summation order (tests/test_dist_zero.py derives it), plus what the stochastic rounding adds. Both runs draw
+    the same bits for an element (its place in the bucket; ZeRO windows do not change it), so a moment rounds
+    differently only when the two runs' fp32 values straddle the rounding threshold: then it is one bf16 ulp
+    (2^-8 relative) apart. A flip in m moves the updates by at most lr * 2^-8 |m| / sqrt(v) ~ lr * 2^-8 per step,
+    decaying with beta1 over the remaining steps (sum <= 1 / (1 - 0.9) = 10): 3.9e-5; one in v by half that
+    relative (the square root) over <= 8 steps: 1.6e-5. 3e-5 + 3.9e-5 + 1.6e-5 = 8.5e-5 < 1e-4."""
+    from socompile.distributed.launch import run_local
+    results = run_local(f"{__file__}:_zero_worker", 2, {"steps": 8}, timeout_s=150)
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank}:\n{r.output[-3000:]}"
+    out = [r.result for r in results]
+    for r in out:
+        assert r["moments"] == ["torch.bfloat16"]
+        assert r["err"] < 1e-4, r["err"]
+    assert out[0]["digest"] == out[1]["digest"], "ranks must hold bitwise identical weights"
+    assert out[0]["held"] + out[1]["held"] == out[0]["whole"]   # each rank holds its shard's bf16 moments

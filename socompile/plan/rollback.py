@@ -1,7 +1,8 @@
 """Decision 5 of the planner (planner.py): the rollback mode of each CPU bucket, from the plan's host memory.
 
 Ping-pong (an exact rollback: a second copy of the optimizer state) while host memory allows; else the algebraic
-inverse (one copy), largest CPU buckets first, until the plan fits the host.
+inverse (one copy), largest CPU buckets first, until the plan fits the host. bf16 moments have no inverse (the
+kernel rounds them stochastically): their plans keep ping-pong everywhere or do not fit.
 """
 from __future__ import annotations
 
@@ -37,6 +38,12 @@ def rollback_modes(ctx: _Context, buckets, decisions: list[str]):
     total, pinned, parts = _host(ctx, buckets)
     if total <= limit:
         return buckets, total, pinned, parts
+    if ctx.options.moment_dtype == "bfloat16":   # rounded moments have no inverse: ping-pong or nothing
+        raise PlanError(f"host memory: the plan needs {human_bytes(total)} of host memory with ping-pong rollback "
+                        f"but {ctx.hw.name} has {human_bytes(ctx.hw.host_memory)} (usable {human_bytes(limit)}), and "
+                        f"bf16 moments cannot use the algebraic inverse that would drop the spares (they are "
+                        f"rounded stochastically); use fp32 moments (rollback 'inverse' then fits more), keep more "
+                        f"buckets on the GPU, or use a machine with more host memory")
     # Drop ping-pong copies, largest-numel CPU buckets first (ties: index), until host memory fits.
     out = list(buckets)
     for b in sorted((b for b in buckets if b.optimizer_site == "cpu"), key=lambda b: (-b.numel, b.index)):
