@@ -155,6 +155,7 @@ def lay_out_buckets(ctx: CompileContext) -> None:
     that serve them are bound."""
     by_name = {name: ctx.param_objects[i] for i, name in ctx.param_names.items()}
     buckets = ctx.plan.buckets
+    _check_moment_format(ctx)
     # On a CPU-only machine the "device" is the CPU: device-site buckets use the same kernel, but (as on a GPU)
     # only after validation, in opt.step(); CPU-site buckets are stepped as their gradients arrive.
     claim = ctx.optimizer.claim([[by_name[n] for n in b.params] for b in buckets],
@@ -170,6 +171,20 @@ def lay_out_buckets(ctx: CompileContext) -> None:
         bucket.kernel_threads = ctx.options.optimizer_threads
     _bind_runtime(ctx, claim)
     _bind_activation_runtime(ctx)
+
+
+def _check_moment_format(ctx: CompileContext) -> None:
+    """The plan counted the moments in the format the optimizer stores them in (host memory, CPU bytes): an
+    explicit ``moment_dtype`` option that contradicts the optimizer's would make both wrong."""
+    import torch
+    planned = "bfloat16" if ctx.plan.prediction("moment_bytes", 4) == 2 else "float32"
+    held = str(getattr(ctx.optimizer, "moment_dtype", torch.float32)).removeprefix("torch.")
+    if planned != held:
+        raise ValueError(
+            f"socompile: the plan counts {planned} Adam moments (options moment_dtype={ctx.options.moment_dtype!r}) "
+            f"but the optimizer stores them in {held} (socompile.AdamW(moment_dtype=torch.{held})): its host memory "
+            f"and CPU bytes per step would not be the plan's. Leave the option unset (it follows the optimizer) or "
+            f"build the optimizer with moment_dtype=torch.{planned}.")
 
 
 def _bind_runtime(ctx: CompileContext, claim) -> None:

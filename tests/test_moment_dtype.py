@@ -325,3 +325,18 @@ def test_zero_dp2_with_bf16_moments_equals_one_process_on_the_global_batch():
         assert r["err"] < 1e-4, r["err"]
     assert out[0]["digest"] == out[1]["digest"], "ranks must hold bitwise identical weights"
     assert out[0]["held"] + out[1]["held"] == out[0]["whole"]   # each rank holds its shard's bf16 moments
+
+
+@pytest.mark.parametrize("option, optimizer", [("bfloat16", torch.float32), ("float32", torch.bfloat16)])
+def test_a_moment_option_that_contradicts_the_optimizer_is_refused_naming_both(option, optimizer):
+    torch._dynamo.reset()
+    model = build("tiny", n_layers=1)
+    opt = socompile.AdamW(model.parameters(), **HYP, moment_dtype=optimizer)
+    cmodel = torch.compile(model, backend=socompile.SuperOffload(
+        {"compute": "eager", "gpu_buckets": 0, "moment_dtype": option}))
+    x, y = batches(1)[0]
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed,   # Dynamo wraps the backend's error
+                       match=f"plan counts {option} Adam moments.*optimizer stores them in") as err:
+        lm_loss(cmodel(x), y).backward()
+    assert isinstance(err.value.inner_exception, ValueError), err.value
+    assert opt.state == {} or all("exp_avg" not in s for s in opt.state.values())   # nothing was stepped

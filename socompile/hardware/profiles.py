@@ -153,15 +153,19 @@ PROFILES: dict[str, HardwareProfile] = {
     # ConnectX-7 / Quantum-2 NDR datasheets). Inside an NVLink domain (GH200 NVL2 / NVL32) the GPUs talk over
     # fourth-generation NVLink, 900 GB/s bidirectional = 450 GB/s per direction per GPU (NVIDIA GH200 NVL32
     # and Hopper architecture pages): set gpus_per_node (or --nodes) for such a system.
-    "gh200": HardwareProfile("gh200", 96 * GB, 4.0e12, 989e12, 480 * GB, 500e9, 72, 450e9, 5e-6,
-                             cpu_adam_bandwidth=cpu_adam_bandwidth(500e9),
-                             source="NVIDIA GH200 datasheet; CPU Adam share measured by bench/adam.py; "
+    # NVLink-C2C per direction as measured, not the datasheet's 450 GB/s each way: nvbandwidth on GH200 gives
+    # ~411-421 GB/s host-to-device and only ~170 GB/s device-to-host (reported in Megatron-LM issue 6491).
+    "gh200": HardwareProfile("gh200", 96 * GB, 4.0e12, 989e12, 480 * GB, 500e9, 72, 415e9, 5e-6,
+                             cpu_adam_bandwidth=cpu_adam_bandwidth(500e9), link_bandwidth_d2h=170e9,
+                             source="NVIDIA GH200 datasheet; NVLink-C2C per direction measured with nvbandwidth "
+                             "(Megatron-LM issue 6491); CPU Adam share measured by bench/adam.py; "
                              "ConnectX-7 NDR 400 Gb/s per Superchip; NVLink 4 900 GB/s per GPU",
                              gpus_per_node=1, intra_node_bandwidth=450e9, inter_node_bandwidth=50e9),
     # GH200 with 144 GB HBM3e at ~4.9 TB/s (same Grace side, same network).
-    "gh200-144g": HardwareProfile("gh200-144g", 144 * GB, 4.9e12, 989e12, 480 * GB, 500e9, 72, 450e9, 5e-6,
-                                  cpu_adam_bandwidth=cpu_adam_bandwidth(500e9),
-                                  source="NVIDIA GH200 (HBM3e) datasheet; ConnectX-7 NDR; CPU Adam share measured",
+    "gh200-144g": HardwareProfile("gh200-144g", 144 * GB, 4.9e12, 989e12, 480 * GB, 500e9, 72, 415e9, 5e-6,
+                                  cpu_adam_bandwidth=cpu_adam_bandwidth(500e9), link_bandwidth_d2h=170e9,
+                                  source="NVIDIA GH200 (HBM3e) datasheet; NVLink-C2C per direction measured "
+                                  "(nvbandwidth, Megatron-LM issue 6491); ConnectX-7 NDR; CPU Adam share measured",
                                   gpus_per_node=1, intra_node_bandwidth=450e9, inter_node_bandwidth=50e9),
     # H100 PCIe datasheet: 80 GB HBM2e at 2 TB/s, ~756 TFLOP/s dense bf16; PCIe Gen5 x16 64 GB/s per direction,
     # ~55 achieved. Host: a typical 2-socket server, 1 TB DDR5 at ~300 GB/s, 64 cores. CPU Adam: the measured
