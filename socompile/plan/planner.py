@@ -44,7 +44,8 @@ from .placement import (_apply_flow, _moment_prediction, _parallel_predictions, 
                         _speculation, _weight_dtype_prediction, _with_k)
 from .transfers import per_step_traffic
 from .plan import BucketPlan, Plan
-from .rollback import rollback_modes
+from .host_work import per_step_host_work
+from .rollback import host_layout, rollback_modes
 from .search_state import PlanError, _compact_buckets, _Context, _device, _formula  # noqa: F401
 
 FULL_SEARCH = 48          # try every K up to this many buckets; beyond, a grid then a local refinement
@@ -191,8 +192,15 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
     # What crosses the link per step (one micro-batch), by direction, dtype and purpose: the per-bucket transfer
     # list (plan/transfers.py) the simulator billed; opt.traffic() counts the same at run time.
     traffic = per_step_traffic(final, ir, layers=costs.layers)
+    # What the host CPU reads and writes per step (one micro-batch), by purpose: the terms opt.host_work()
+    # books (plan/host_work.py); with clipping, the clipped step's (every speculated CPU step taken again).
+    layout = host_layout(options, weight_bytes)
+    work = per_step_host_work(final, ir, shared_master=layout.shared_master, weight_bytes=weight_bytes,
+                              validating=bool(options.clipping), speculation=_speculation(options),
+                              host_is_device=options.runtime == "cpu", moment_bytes=layout.moment_bytes)
     final = dataclasses.replace(final, predicted=final.predicted + (
         ("link_bytes_per_step", tuple((" ".join(key), int(v)) for key, v in sorted(traffic.items()))),
+        ("host_work_bytes_per_step", tuple((purpose, int(r), int(w)) for purpose, (r, w) in sorted(work.items()))),
         ("runtime_device_peak_bytes", int(runtime["peak"])),
         ("runtime_device_phase_peak_bytes", tuple((k, int(runtime["fixed"] + v))
                                                   for k, v in sorted(runtime["flow_phase_peak"].items())))))

@@ -130,6 +130,14 @@ def link_line(traffic) -> str:
         f"{d} {human_bytes(totals[d])} ({', '.join(parts)})" for d, parts in sorted(by_direction.items()))
 
 
+def host_work_line(work) -> str:
+    """'host CPU per step: read 1.2 GB, written 0.8 GB (adam kernel 1.1 GB / 0.8 GB, ...)': the plan's
+    ``host_work_bytes_per_step`` (what ``opt.host_work()`` books), (purpose, read, written) triples."""
+    read, written = sum(r for _, r, _ in work), sum(w for _, _, w in work)
+    return (f"host CPU per step (one micro-batch): read {human_bytes(read)}, written {human_bytes(written)} ("
+            + ", ".join(f"{p} {human_bytes(r)} / {human_bytes(w)}" for p, r, w in work) + ")")
+
+
 def _summary(plan: Plan, pred: dict) -> list[str]:
     out = []
     if "device_peak_bytes" in pred:
@@ -155,6 +163,8 @@ def _summary(plan: Plan, pred: dict) -> list[str]:
                        f"{int(sum(adam_kernel_bytes(1, 4, False)))})")
     if pred.get("link_bytes_per_step"):
         out.append(link_line(pred["link_bytes_per_step"]))
+    if pred.get("host_work_bytes_per_step"):
+        out.append(host_work_line(pred["host_work_bytes_per_step"]))
     if "step_time_s" in pred:
         out.append(f"step: {pred['step_time_s'] * 1e3:.1f} ms (forward {pred['forward_s'] * 1e3:.1f}, backward "
                    f"{pred['backward_s'] * 1e3:.1f}, exposed optimizer tail {pred['exposed_tail_s'] * 1e3:.1f}); "
