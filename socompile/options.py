@@ -97,6 +97,11 @@ class Options:
     bucket count and the rest), not the unclipped one. None: read from the optimizer that owns the compiled
     parameters; False when planning without one (python -m socompile plan: set it, or SOCOMPILE_CLIPPING=1, to
     plan a clipped run)."""
+    host_master: str | None = None
+    """Whether fp32 CPU parameters share the optimizer's fp32 master ('shared') or the master is a separate host
+    copy ('separate'): socompile.AdamW's host_master, which the plan's host memory and CPU work follow. None: read
+    from the optimizer that owns the compiled parameters; without one, 'shared' for fp32 parameters on the CPU
+    runtime (the optimizer's 'auto'). Other runtimes always keep a separate master."""
     moment_dtype: str | None = None
     """The format of the CPU buckets' Adam moments the plan counts (host memory, CPU bytes per step): 'float32'
     or 'bfloat16' (socompile.AdamW's moment_dtype). None: read from the optimizer that owns the compiled
@@ -177,6 +182,9 @@ class Options:
             raise OptionError(f"cast_site must be 'device', 'cpu' or None, got {self.cast_site!r}")
         if self.grad_link_dtype not in (None, "float32", "bfloat16"):
             raise OptionError(f"grad_link_dtype must be 'float32', 'bfloat16' or None, got {self.grad_link_dtype!r}")
+        if self.host_master not in (None, "shared", "separate"):
+            raise OptionError(f"host_master must be 'shared', 'separate' or None (the optimizer's), got "
+                              f"{self.host_master!r}")
         if self.moment_dtype not in (None, "float32", "bfloat16"):
             raise OptionError(f"moment_dtype must be 'float32', 'bfloat16' or None (the optimizer's), got "
                               f"{self.moment_dtype!r}")

@@ -101,14 +101,17 @@ def plan_once(ctx: CompileContext) -> None:
 
 
 def planning_options(ctx: CompileContext):
-    """The options the planner sees: ``clipping`` and ``moment_dtype`` left unset are the owning optimizer's
-    (max_grad_norm set or not; its moment_dtype), so the plan optimises and counts the step that will run."""
+    """The options the planner sees: ``clipping``, ``host_master`` and ``moment_dtype`` left unset are the owning
+    optimizer's (max_grad_norm set or not; its resolved host_master; its moment_dtype), so the plan optimises and
+    counts the step that will run."""
     import dataclasses
     if ctx.optimizer is None:
         return ctx.options
     facts = {}
     if ctx.options.clipping is None:
         facts["clipping"] = getattr(ctx.optimizer, "max_grad_norm", None) is not None
+    if ctx.options.host_master is None and getattr(ctx.optimizer, "host_master", None) in ("shared", "separate"):
+        facts["host_master"] = ctx.optimizer.host_master
     if ctx.options.moment_dtype is None and getattr(ctx.optimizer, "moment_dtype", None) is not None:
         facts["moment_dtype"] = str(ctx.optimizer.moment_dtype).removeprefix("torch.")
     return dataclasses.replace(ctx.options, **facts) if facts else ctx.options

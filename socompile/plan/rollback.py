@@ -24,10 +24,12 @@ def host_layout(options: Options, weight_bytes: int) -> HostLayout:
     """The host layout the runtime of ``options.runtime`` will use: the CPU runtime pins nothing and fp32
     parameters share the master; any other runtime (a GPU target's CUDA, or the emulated one) pins what crosses
     the link. Gradient accumulation is the optimizer's argument, unknown here: its stage is not counted. The
-    moments' bytes follow ``options.moment_dtype`` (the owning optimizer's, pipeline.planning_options)."""
+    moments' bytes follow ``options.moment_dtype`` and a shared master ``options.host_master`` (the owning
+    optimizer's, pipeline.planning_options; without one, fp32 CPU parameters share it)."""
     moment_bytes = 2 if options.moment_dtype == "bfloat16" else 4
     if options.runtime == "cpu":
-        return HostLayout(pins=False, shared_master=weight_bytes == 4, moment_bytes=moment_bytes)
+        shared = options.host_master == "shared" if options.host_master else weight_bytes == 4
+        return HostLayout(pins=False, shared_master=shared, moment_bytes=moment_bytes)
     return HostLayout(moment_bytes=moment_bytes)
 
 
