@@ -118,6 +118,7 @@ class HostLayout:
     shared_master: bool = False
     accumulation: bool = False
     moment_bytes: int = 4   # socompile.AdamW(moment_dtype=...): 4 for fp32 moments, 2 for bf16 (an optimizer argument)
+    spares: bool = True     # speculation on: a bucket with exact rollback makes its ping-pong spare (off: never)
 
 
 def bucket_host_buffers(b: BucketPlan, numel: int, weight_bytes: int, world: int = 1,
@@ -146,7 +147,7 @@ def bucket_host_buffers(b: BucketPlan, numel: int, weight_bytes: int, world: int
     master_crosses = pins and (not bf16 or device_cast)   # uploads and fetches of non-bf16 weights read the master
     moments = 2 * layout.moment_bytes * shard   # exp_avg and exp_avg_sq
     out = [(MASTER, 4 * shard, master_crosses), (MOMENTS, moments, False)]
-    if b.rollback == "exact":   # the spare master becomes the master at a commit: pinned like it (unsharded)
+    if b.rollback == "exact" and layout.spares:   # the spare master becomes the master at a commit: pinned like it
         out += [(SPARES, 4 * shard, master_crosses and world <= 1), (SPARES, moments, False)]
     landing = 4 if layout.shared_master else dtype_bytes(b.link_dtype)   # shared: the parameters' fp32 .grad
     if zero_device:

@@ -25,12 +25,13 @@ def host_layout(options: Options, weight_bytes: int) -> HostLayout:
     parameters share the master; any other runtime (a GPU target's CUDA, or the emulated one) pins what crosses
     the link. Gradient accumulation is the optimizer's argument, unknown here: its stage is not counted. The
     moments' bytes follow ``options.moment_dtype`` and a shared master ``options.host_master`` (the owning
-    optimizer's, pipeline.planning_options; without one, fp32 CPU parameters share it)."""
+    optimizer's, pipeline.planning_options; without one, fp32 CPU parameters share it). Without speculation no
+    bucket step is taken before validation, so none makes a ping-pong spare."""
     moment_bytes = 2 if options.moment_dtype == "bfloat16" else 4
     if options.runtime == "cpu":
         shared = options.host_master == "shared" if options.host_master else weight_bytes == 4
-        return HostLayout(pins=False, shared_master=shared, moment_bytes=moment_bytes)
-    return HostLayout(moment_bytes=moment_bytes)
+        return HostLayout(pins=False, shared_master=shared, moment_bytes=moment_bytes, spares=options.speculate)
+    return HostLayout(moment_bytes=moment_bytes, spares=options.speculate)
 
 
 def rollback_modes(ctx: _Context, buckets, decisions: list[str]):
