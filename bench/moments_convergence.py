@@ -40,7 +40,7 @@ def loss_of(model, x, y):
     return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
 
 
-def make_run(preset: str, moment_dtype: torch.dtype, lr: float, seed: int = 0):
+def make_run(preset: str, moment_dtype: torch.dtype, seed: int, lr: float):
     torch._dynamo.reset()
     torch.manual_seed(seed)
     model = build(preset)
@@ -106,7 +106,7 @@ def main():
     held_out = ByteBatches(text[cut:], args.batch, args.seq, seed=2)
     eval_batches = [next(held_out) for _ in range(args.eval_batches)]
     names = [f.strip() for f in args.formats.split(",") if f.strip()]
-    runs = {name: make_run(args.preset, *FORMATS[name][:1], args.lr, FORMATS[name][1]) for name in names}
+    runs = {name: make_run(args.preset, *FORMATS[name], args.lr) for name in names}
     curves: dict[str, list[tuple[int, float]]] = {name: [] for name in names}
     seconds = {name: 0.0 for name in names}
     print(f"# {args.preset}, {args.steps} steps, batch {args.batch} x {args.seq} bytes, lr {args.lr}, "

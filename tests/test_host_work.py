@@ -16,8 +16,7 @@ import torch
 import socompile
 from socompile.models import build
 from socompile.plan.host_work import ADAM_KERNEL, per_step_host_work
-from socompile.runtime.emulated_cuda import emulated_device
-from training_helpers import batches, lm_loss
+from training_helpers import batches, lm_loss, use_emulated_device
 
 HYP = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
 
@@ -50,9 +49,7 @@ def trained(monkeypatch, case):
     """(optimizer, compile context) after three steps of ``case``."""
     runtime, dtype, options, arguments, micro, speculation = CASES[case]
     if runtime == "emulated":
-        monkeypatch.setenv("SOCOMPILE_RUNTIME", "emulated")
-        monkeypatch.setenv("SOCOMPILE_EMULATION_SEED", "0")
-        emulated_device(0).hazards.clear()
+        use_emulated_device(monkeypatch)
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = build("tiny", n_layers=2).to(dtype)

@@ -21,11 +21,10 @@ from socompile.models import build
 from socompile.plan.host_work import per_step_host_work
 from socompile.plan.memory import HostLayout, runtime_host_bytes
 from socompile.runtime.cpu_adam import round_seed
-from socompile.runtime.emulated_cuda import emulated_device
 from socompile.runtime.speculation import clip_coefficient
 from test_ext_adam import emulate_fp32
 from test_ext_moments import round_bits, stochastic_bf16
-from training_helpers import batches, lm_loss
+from training_helpers import batches, lm_loss, use_emulated_device
 
 HYP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -69,9 +68,7 @@ def bucket_layout(opt, model) -> dict[str, tuple[int, int]]:
 
 def train_pair(monkeypatch, runtime="cpu", dtype=torch.float32, steps=4, accumulate=1, clip=None, options=None):
     if runtime == "emulated":
-        monkeypatch.setenv("SOCOMPILE_RUNTIME", "emulated")
-        monkeypatch.setenv("SOCOMPILE_EMULATION_SEED", "0")
-        emulated_device(0).hazards.clear()
+        use_emulated_device(monkeypatch)
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = build("tiny", n_layers=2).to(dtype)

@@ -21,6 +21,15 @@ def batches(n: int, batch: int = 2, seq: int = 32, seed: int = 0):
     return [next(data) for _ in range(n)]
 
 
+def use_emulated_device(monkeypatch) -> None:
+    """Run the CUDA path on the emulated device (runtime/emulated_cuda.py) for this test: a fixed emulation
+    seed, and no hazards left over from an earlier test."""
+    from socompile.runtime.emulated_cuda import emulated_device
+    monkeypatch.setenv("SOCOMPILE_RUNTIME", "emulated")
+    monkeypatch.setenv("SOCOMPILE_EMULATION_SEED", "0")
+    emulated_device(0).hazards.clear()
+
+
 def lm_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.flatten(0, 1), y.flatten())
 

@@ -45,7 +45,7 @@ from ..runtime.worker import BucketJobs
 from . import state_dict as optimizer_state
 from .bucket_layout import make_buckets, pool_buckets
 from .graph_claim import ClaimLayout, Claims, GraphClaim, GraphOrigin
-from .hyper import check_group, hyper_snapshot
+from .hyper import check_group, check_moment_dtype, hyper_snapshot
 from .module_state import ModelStateHooks, _ModuleHook  # noqa: F401  (_ModuleHook: pickled models name it here)
 from .owner import hand_over, previous_owners, set_owner
 from .state_dict import torch_param_group  # noqa: F401  (imported from here by socompile.distributed)
@@ -53,25 +53,6 @@ from .validation import (commit, discard_iteration, step_now, undo_for_script_gr
                          validate_and_finish)
 
 log = logging.getLogger("socompile")
-
-MOMENT_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def check_moment_dtype(moment_dtype, rollback: str) -> torch.dtype:
-    """The format of the CPU buckets' exp_avg / exp_avg_sq: fp32 (torch's), or bf16 (stochastically rounded
-    by the kernel: 8 bytes fewer per parameter read and written each step, 4 fewer held; docs/kernel.md)."""
-    if isinstance(moment_dtype, str) and moment_dtype.lower() in ("int8", "uint8"):
-        raise NotImplementedError(
-            f"socompile.AdamW(moment_dtype={moment_dtype!r}): 8-bit block-quantised moments are not implemented "
-            f"yet; use moment_dtype=torch.bfloat16 (4 B of moments per parameter instead of 8) or torch.float32")
-    if moment_dtype not in MOMENT_DTYPES:
-        raise TypeError(f"socompile.AdamW: moment_dtype must be torch.float32 (the default, torch's) or "
-                        f"torch.bfloat16, got {moment_dtype!r}")
-    if moment_dtype != torch.float32 and rollback == "inverse":
-        raise ValueError("socompile.AdamW: rollback='inverse' (the algebraic undo of an in-place step) cannot undo "
-                         "bf16 moments, which the kernel rounds stochastically; use rollback='pingpong' (the "
-                         "default) with moment_dtype=torch.bfloat16")
-    return moment_dtype
 
 
 class AdamW(torch.optim.Optimizer):

@@ -1,5 +1,6 @@
-"""Checks of socompile.AdamW's hyperparameters (``lr``, ``betas``, ``eps``, ``weight_decay``), for the
-constructor's arguments and for every param group alike (``add_param_group``, per-group values).
+"""Checks of socompile.AdamW's hyperparameters (``lr``, ``betas``, ``eps``, ``weight_decay``) and of its moment
+format (``moment_dtype``), for the constructor's arguments and for every param group alike (``add_param_group``,
+per-group values).
 
 torch.optim.AdamW's semantics and exception types: ``lr`` may be a 1-element tensor (kept as is, so an LR
 scheduler that fills it in place is seen at the next step; the kernels read ``float(lr)`` at step time),
@@ -98,3 +99,23 @@ def hyper_snapshot(param_groups: list[dict]) -> list[dict]:
     queued during backward steps with these: ``opt.step()`` may return before the job even starts, and an LR
     scheduler's step after it (which may fill a tensor ``lr`` in place) is the next step's, as in torch."""
     return [{k: _frozen(v) for k, v in group.items() if k != "params"} for group in param_groups]
+
+
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def check_moment_dtype(moment_dtype, rollback: str) -> torch.dtype:
+    """The format of the CPU buckets' exp_avg / exp_avg_sq: fp32 (torch's), or bf16 (stochastically rounded
+    by the kernel: 8 bytes fewer per parameter read and written each step, 4 fewer held; docs/kernel.md)."""
+    if isinstance(moment_dtype, str) and moment_dtype.lower() in ("int8", "uint8"):
+        raise NotImplementedError(
+            f"socompile.AdamW(moment_dtype={moment_dtype!r}): 8-bit block-quantised moments are not implemented "
+            f"yet; use moment_dtype=torch.bfloat16 (4 B of moments per parameter instead of 8) or torch.float32")
+    if moment_dtype not in MOMENT_DTYPES:
+        raise TypeError(f"socompile.AdamW: moment_dtype must be torch.float32 (the default, torch's) or "
+                        f"torch.bfloat16, got {moment_dtype!r}")
+    if moment_dtype != torch.float32 and rollback == "inverse":
+        raise ValueError("socompile.AdamW: rollback='inverse' (the algebraic undo of an in-place step) cannot undo "
+                         "bf16 moments, which the kernel rounds stochastically; use rollback='pingpong' (the "
+                         "default) with moment_dtype=torch.bfloat16")
+    return moment_dtype

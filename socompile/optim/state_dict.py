@@ -126,10 +126,9 @@ def save(opt: "AdamW") -> dict:
     out["param_groups"] = [torch_param_group(group) for group in out["param_groups"]]
     # bf16 moments (moment_dtype): torch's layout is fp32, which torch.optim.AdamW loads; their fp32 values
     # are exact. The entries are fresh dicts: opt.state keeps its views of the live bf16 buffers.
-    out["state"] = {k: {key: (t.float() if key in ("exp_avg", "exp_avg_sq") and t.dtype == torch.bfloat16
-                              and opt.moment_dtype == torch.bfloat16 else t)
-                        for key, t in entry.items()} if isinstance(entry, dict) else entry
-                    for k, entry in out["state"].items()}
+    if opt.moment_dtype != torch.float32:   # a float64 bucket keeps float64 moments: only bf16 ones convert
+        out["state"] = {k: {key: t.float() if key in ("exp_avg", "exp_avg_sq") and t.dtype == torch.bfloat16 else t
+                            for key, t in entry.items()} for k, entry in out["state"].items()}
     return out
 
 

@@ -180,21 +180,9 @@ AI double step_impl(const socx_buffers *b, const socx_consts *c, int64_t i0, int
     return socx_reduce16(lanes);
 }
 
-/* constant flags let the compiler build one loop per combination, with no per-element branches on them */
-#define SOCX_STEP_FLAGS(MB)                                                                                    \
-    do {                                                                                                       \
-        if (!gb && !o16) return st ? step_impl(b, c, i0, i1, 0, 0, 1, MB) : step_impl(b, c, i0, i1, 0, 0, 0, MB); \
-        if (!gb && o16) return st ? step_impl(b, c, i0, i1, 0, 1, 1, MB) : step_impl(b, c, i0, i1, 0, 1, 0, MB);  \
-        if (gb && !o16) return st ? step_impl(b, c, i0, i1, 1, 0, 1, MB) : step_impl(b, c, i0, i1, 1, 0, 0, MB);  \
-        return st ? step_impl(b, c, i0, i1, 1, 1, 1, MB) : step_impl(b, c, i0, i1, 1, 1, 0, MB);                 \
-    } while (0)
-
 double socx_step_avx512(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1) {
-    const int gb = b->g_bf16 != NULL, o16 = b->p_bf16_out != NULL, st = c->stream;
-    if (b->m16_in) SOCX_STEP_FLAGS(1);
-    SOCX_STEP_FLAGS(0);
+    SOCX_DISPATCH_STEP(step_impl);
 }
-#undef SOCX_STEP_FLAGS
 
 double socx_sumsq_avx512(const float *g32, const uint16_t *g16, int64_t i0, int64_t i1) {
     __m512d acc_lo = _mm512_setzero_pd(), acc_hi = _mm512_setzero_pd();

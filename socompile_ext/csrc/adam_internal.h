@@ -168,6 +168,23 @@ static inline float socx_adam_elem(const socx_buffers *b, const socx_consts *c, 
     return gs;
 }
 
+/* A path's socx_step_<isa>: one call of its step_impl(b, c, i0, i1, GBF16, OUT16, STREAM, MB16) with the call's
+ * flags (bf16 gradients, bf16 copy out, streaming stores, bf16 moments) as constants, so the compiler builds one
+ * loop per combination with no per-element branches on them. */
+#define SOCX_STEP_CASE(IMPL, MB)                                                                                 \
+    do {                                                                                                         \
+        if (!gb && !o16) return st ? IMPL(b, c, i0, i1, 0, 0, 1, MB) : IMPL(b, c, i0, i1, 0, 0, 0, MB);          \
+        if (!gb && o16) return st ? IMPL(b, c, i0, i1, 0, 1, 1, MB) : IMPL(b, c, i0, i1, 0, 1, 0, MB);           \
+        if (gb && !o16) return st ? IMPL(b, c, i0, i1, 1, 0, 1, MB) : IMPL(b, c, i0, i1, 1, 0, 0, MB);           \
+        return st ? IMPL(b, c, i0, i1, 1, 1, 1, MB) : IMPL(b, c, i0, i1, 1, 1, 0, MB);                          \
+    } while (0)
+#define SOCX_DISPATCH_STEP(IMPL)                                                                                 \
+    do {                                                                                                         \
+        const int gb = b->g_bf16 != NULL, o16 = b->p_bf16_out != NULL, st = c->stream;                          \
+        if (b->m16_in) SOCX_STEP_CASE(IMPL, 1);                                                                  \
+        SOCX_STEP_CASE(IMPL, 0);                                                                                 \
+    } while (0)
+
 /* The fixed combination of the 16 sum-of-squares lanes (see the NOTE at the top). */
 static inline double socx_reduce16(const double l[16]) {
     double t[8], u[4];
