@@ -124,8 +124,7 @@ class ZeroSharding:
                     dist.all_gather_single(dst, src, group=self.group) if hasattr(dist, "all_gather_single") \
                         else dist.all_gather_into_tensor(dst, src, group=self.group)
                 full.append(out[:bucket.numel])
-            bucket.exp_avg, bucket.exp_avg_sq = full
-            bucket.state_lo, bucket.spare, bucket.window = 0, None, None
+            bucket.unshard(*full)
 
     def fetch_window(self, bucket, window):
         """A device-sharded flow bucket's fetch into ``window`` (zero_device.fetch_window); returns its wait."""
@@ -145,7 +144,7 @@ class ZeroSharding:
         shard = self.shard_of(bucket)
         # Separate host master: the copy-in of the device gradients (CUDA: async on the "d2h" stream, and staged
         # micro-batches still to add) must have landed in the host ``grad`` before the collective reads it.
-        # NOTE: on CUDA only float64 state takes this host path (runtime/sharded_bucket.py device_shard_eligible:
+        # NOTE: on CUDA only float64 state takes this host path (plan/bucket_buffers.py shard_layout "chunk":
         # an fp32 master is reduced on the device, above); it blocks the training thread on that copy and reduces
         # on the host (gloo).
         bucket.wait_grads()

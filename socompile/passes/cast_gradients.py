@@ -6,7 +6,7 @@ insert_optimizer_steps inserts: ``requires`` in table.py)::
     g_i' = convert_element_type(g_i, link_dtype)            # on the device, before the copy to the host
     socompile.bucket_grads_ready([g_1'..g_k'], [...], claim, b, segments)
     # they land as they crossed: a separate master's host gradient buffer has the link dtype and the CPU
-    # kernel reads bf16 directly (runtime/flat_bucket.py _landing_dtype); a shared master's fp32 buffer upcasts
+    # kernel reads bf16 directly (plan/bucket_buffers.py landing_dtype); a shared master's fp32 buffer upcasts
 
 With bf16 on the link the CPU optimizer steps with bf16-rounded gradients: training is then no longer equal to
 fp32 eager AdamW bit for bit (tests state the tolerance).

@@ -21,13 +21,15 @@ landing buffer (runtime/host_master.py), so perf/analysis.py does not count them
 gradients are walked together: a flow bucket's buffer and the gradients of the buckets around it are what is
 live at once, where twice the largest bucket would count a dominant parameter's gradient twice and its forward
 flow buffer beside its backward gradient. The floor of a plan (planner._min_device) scales with the buckets.
-Host (host_buffers; the runtime's HostLedger books the same buffers, runtime/memory.py), per CPU bucket of n
+Host (host_buffers: the host entries of plan/bucket_buffers.py's bucket_buffers, the one list of a bucket's
+buffers that the runtime allocates from and its HostLedger books, runtime/memory.py), per CPU bucket of n
 padded elements: fp32 master (4n), Adam moments (8n), ping-pong spares for exact rollback (12n), the gradient
 landing buffer (n x link dtype), a staging copy (2n) that uploads and fetches of bf16 or fp16 weights read, and on
 CUDA with gradient accumulation a stage in the landing dtype (n x link dtype); plus offloaded activations. Pinned:
 what copies to or from the device read or write (landing, staging, accumulation stage, activations, and the master
 of fp32 weights or of a device cast, which their uploads and fetches read); moments and spares never cross the link
-and are pageable.
+and are pageable. Over W ZeRO ranks the host path keeps master and landing buffer whole (the parameters alias the
+master) and the moments and spares for the rank's window; device-side ZeRO keeps all of them for its chunk.
 """
 from __future__ import annotations
 
@@ -35,9 +37,9 @@ import dataclasses
 
 import sympy
 
-from ..dtypes import dtype_bytes, dtype_name, gradient_link_name
-from ..ledger_names import (ACCUMULATION, ACTIVATIONS, HOST_PURPOSES, LANDING, MASTER, MOMENTS, SPARES,
-                            STAGING)
+from ..dtypes import dtype_bytes, dtype_name
+from ..ledger_names import ACTIVATIONS, HOST_PURPOSES
+from .bucket_buffers import BucketStorage, bucket_buffers, host_entries
 from .bucketize import ALIGN, padded_numel
 from .plan import BucketPlan
 from .step_timeline import StepPeak, flow_bytes_of
@@ -121,45 +123,23 @@ class HostLayout:
     spares: bool = True     # speculation on: a bucket with exact rollback makes its ping-pong spare (off: never)
 
 
+def bucket_storage(b: BucketPlan, weight_dtype: str, layout: HostLayout = HostLayout()) -> BucketStorage:
+    """How the runtime will store CPU bucket ``b`` of the plan: its plan's choices and the runtime's layout."""
+    return BucketStorage(site=b.optimizer_site, separate=not layout.shared_master, flow=b.weight_mode == "flow",
+                         weight_dtype=weight_dtype, link_dtype=b.link_dtype, cast_site=b.cast_site,
+                         pins=layout.pins, accumulation=layout.accumulation,
+                         moment_dtype="bfloat16" if layout.moment_bytes == 2 else "float32",
+                         spares=b.rollback == "exact" and layout.spares)
+
+
 def bucket_host_buffers(b: BucketPlan, numel: int, weight_bytes: int, world: int = 1,
                         layout: HostLayout = HostLayout(), weight_dtype: str = "") -> list[tuple[str, int, bool]]:
-    """(purpose, bytes, pinned) of each host buffer the runtime allocates for CPU bucket ``b`` of ``numel``
-    elements (padded as runtime/flat_bucket.py lays it out); none for a device-stepped bucket (its state is
-    device memory). ZeRO over ``world`` ranks: master, moments, spares and the gradient landing buffer cover the
-    rank's 1/world shard; with pinned buffers (a CUDA runtime: device-side ZeRO, stationary and flow buckets) the
-    gradients land as ``gradient_link_name`` of the weights' dtype (``weight_dtype``, default: named by
-    ``weight_bytes``) and the staging copy is the shard's too; else (the host path) the staging copy is whole.
-    2-byte weights (bf16 or fp16) go up from a pinned staging copy in their dtype, cast on the host."""
-    if b.optimizer_site != "cpu":
-        return []
-    shard = -(-numel // max(1, world))
-    separate = not layout.shared_master
-    pins = layout.pins and separate
-    bf16 = weight_bytes == 2   # bf16 or fp16: uploads and fetches read a 2-byte stage cast on the host
-    flow = separate and b.weight_mode == "flow"
-    # device-side ZeRO (runtime/sharded_bucket.py: separate master, CUDA, stationary or flow): the shard goes up
-    # cast on the host from a bf16 stage of the shard; gradients accumulate and are reduced on the device, in the
-    # weights' dtype, and land as bf16 for bf16 weights, else as fp32 (fp16: cast on the device after the reduction;
-    # sharded_bucket.landing_dtype, dtypes.gradient_link_name)
-    zero_device = pins and world > 1
-    # the plan's device cast (stationary bf16 weights, cast_site "device"): the fp32 master itself is uploaded
-    device_cast = separate and bf16 and b.weight_mode == "stationary" and b.cast_site == "device" and not zero_device
-    master_crosses = pins and (not bf16 or device_cast)   # uploads and fetches of non-bf16 weights read the master
-    moments = 2 * layout.moment_bytes * shard   # exp_avg and exp_avg_sq
-    out = [(MASTER, 4 * shard, master_crosses), (MOMENTS, moments, False)]
-    if b.rollback == "exact" and layout.spares:   # the spare master becomes the master at a commit: pinned like it
-        out += [(SPARES, 4 * shard, master_crosses and world <= 1), (SPARES, moments, False)]
-    landing = 4 if layout.shared_master else dtype_bytes(b.link_dtype)   # shared: the parameters' fp32 .grad
-    if zero_device:
-        landing = dtype_bytes(gradient_link_name(weight_dtype or dtype_name(weight_bytes)))
-    out.append((LANDING, shard * landing, pins))
-    if pins and layout.accumulation and not zero_device:   # later micro-batches land in a stage, then are added
-        out.append((ACCUMULATION, landing * numel, True))
-    if zero_device and bf16:
-        out.append((STAGING, 2 * shard, True))
-    elif separate and bf16 and not device_cast and (pins or flow):   # host-cast uploads and fetches read a bf16 copy
-        out.append((STAGING, 2 * numel, pins))
-    return out
+    """(purpose, bytes, pinned) of each host buffer the runtime allocates for bucket ``b`` of ``numel`` padded
+    elements on rank 0 (the largest shard) of ``world`` ZeRO ranks: the host entries of plan/bucket_buffers.py's
+    ``bucket_buffers``, the one derivation the runtime allocates from (none for a device-stepped bucket: its state
+    is device memory). ``weight_dtype``: default named by ``weight_bytes``."""
+    storage = bucket_storage(b, weight_dtype or dtype_name(weight_bytes), layout)
+    return host_entries(bucket_buffers(storage, numel, 0, max(1, world)))
 
 
 def host_buffers(buckets: list[BucketPlan], weight_bytes: int, world: int = 1, offloaded_activations: int = 0,

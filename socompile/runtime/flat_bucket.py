@@ -36,13 +36,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..dtypes import TORCH_DTYPES
+from ..plan.bucket_buffers import (ACCUMULATION_BUFFER, EXP_AVG_BUFFER, EXP_AVG_SQ_BUFFER, GRAD_BUFFER,
+                                   LOW_STAGE_BUFFER, MASTER_BUFFER, SPARE_EXP_AVG_BUFFER, SPARE_EXP_AVG_SQ_BUFFER,
+                                   SPARE_MASTER_BUFFER, WEIGHTS_BUFFER, BucketStorage, BufferSpec, bucket_buffers, shard_layout, shard_window)
 from ..plan.bucketize import ALIGN   # one layout fact for planner and runtime
 from .host_master import HALF_WEIGHTS, HostMasterCopies, flat_real
-from .memory import LANDING, MASTER, MOMENTS, SPARES
 from ..plan.host_work import SPARE_COPY, copy_bytes
 from .traffic import HostWorkLedger, TrafficLedger
-from .sharded_bucket import device_shard_eligible, landing_dtype, narrow_to_device_shard, shard_window  # noqa: F401
+from .sharded_bucket import narrow_to_device_shard
 
 
 def real_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -56,6 +57,10 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
     complex128) parameters, so they train as torch.optim.AdamW trains them; float32 for the others (bf16 and
     fp16 parameters get an fp32 master)."""
     return torch.float64 if real_dtype(dtype) == torch.float64 else torch.float32
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _round_up(n: int, k: int) -> int:
@@ -98,10 +103,6 @@ class FlatBucket(HostMasterCopies):
         self.host_ledger = host_ledger  # runtime/memory.py HostLedger: books every host buffer made here
         self.dtype = real_dtype(params[0].dtype) if params else torch.float32   # of the flat weights
         self.state_dtype = state_dtype(self.dtype)   # of master, grad, moments and spare
-        # of exp_avg / exp_avg_sq (and their spares): bf16 where asked for and the CPU kernel steps fp32 host
-        # state (it rounds them stochastically); a device-stepped or float64 bucket keeps its state dtype
-        self.moment_dtype = (moment_dtype if self.state_dtype == torch.float32 and not (self.mirror and site == "device")
-                             else self.state_dtype)
         self.device = params[0].device if params else torch.device("cpu")
         self.offsets, self.sizes = [], []
         total = 0
@@ -111,22 +112,35 @@ class FlatBucket(HostMasterCopies):
             self.sizes.append(n)
             total += _round_up(n, ALIGN)
         self.numel = total
-        self.master = self._state_buffer(total, MASTER)
-        self.grad = self._state_buffer(total, LANDING, dtype=self._landing_dtype(link_dtype, shard))
-        self._init_host_copies(total)   # separate host master: device weights, copy events, stages
+        sharded_now = shard is not None and shard[1] > 1
+        # How this bucket stores itself: every buffer below is made from bucket_buffers(storage, ...), the
+        # derivation the planner sums (plan/bucket_buffers.py). Made sharded, the whole gradients land in the state
+        # dtype (the host reduce-scatter sums them so; device-side ZeRO re-makes its chunk's landing buffer).
+        self.storage = BucketStorage(
+            site=site, separate=self.mirror, flow=self.flow, weight_dtype=_dtype_name(self.dtype),
+            link_dtype="" if sharded_now else (link_dtype or ""),
+            cast_site=cast_site, pins=runtime is not None and runtime.kind == "cuda", accumulation=True,
+            moment_dtype=_dtype_name(moment_dtype), spares=True)
+        self.rank_world = (0, 1)   # the ZeRO place the buffers are laid out for (shard() moves it)
+        self.master = self.make_buffer(MASTER_BUFFER)
+        self.grad = self.make_buffer(GRAD_BUFFER)
+        self._init_host_copies()   # separate host master: device weights, copy events, stages
         self.window = None         # ZeRO: (lo, hi) elements this rank steps; None: the whole bucket
         self.state_lo = 0          # bucket element at which exp_avg / exp_avg_sq / the spare start
         self.host_lo = 0           # bucket element at which master / grad start (device-side ZeRO: the chunk's)
         self.device_shard = None   # device-side ZeRO (runtime/sharded_bucket.py): this rank's device buffers
         self._shard_after_adopt = None   # device-side ZeRO: cut to the shard once adopt() filled the whole bucket
-        state = total
-        if shard is not None and shard[1] > 1 and device_shard_eligible(self):
+        if sharded_now and shard_layout(self.storage, shard[1]) == "chunk":
             self._shard_after_adopt = shard
-        elif shard is not None and shard[1] > 1:
+        elif sharded_now:
+            self.rank_world = shard
             self.window = shard_window(total, *shard)
-            self.state_lo, state = self.window[0], self.window[1] - self.window[0]
-        self.exp_avg = self._state_buffer(state, MOMENTS, dtype=self.moment_dtype)
-        self.exp_avg_sq = self._state_buffer(state, MOMENTS, dtype=self.moment_dtype)
+            self.state_lo = self.window[0]
+        self.exp_avg = self.make_buffer(EXP_AVG_BUFFER)
+        self.exp_avg_sq = self.make_buffer(EXP_AVG_SQ_BUFFER)
+        # bf16 where asked for and the CPU kernel steps fp32 host state (it rounds them stochastically); a
+        # device-stepped or float64 bucket keeps its state dtype (bucket_buffers)
+        self.moment_dtype = self.exp_avg.dtype
         self.steps = [0] * len(params)
         self.has_grad = [False] * len(params)
         self.arrivals = 0          # backward passes that delivered this bucket's gradients since the last step
@@ -140,21 +154,40 @@ class FlatBucket(HostMasterCopies):
         self._grad_version = None  # the landing buffer's version once backward delivered (see script_changed)
         self._script_changed = False  # separate master: a script's clip changed the held gradients
 
-    def _state_buffer(self, n: int, purpose: str, crosses: bool | None = None,
-                      dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A zeroed buffer (``state_dtype`` unless ``dtype``) for master / grad / moments / spare: on the device
-        for a device-stepped mirror bucket; pinned host memory when a CUDA runtime copies it (``crosses``: the
-        gradient landing buffer, and the master when uploads or fetches read it, ``master_crosses``); else
-        pageable host memory (the moments, and the spares, never cross the link). Host buffers are booked in
-        ``host_ledger``."""
-        dtype = dtype or self.state_dtype
-        if self.mirror and self.site == "device":
-            return torch.zeros(n, dtype=dtype, device=self.device)
-        crosses = (purpose == LANDING or (purpose == MASTER and self.master_crosses())) if crosses is None \
-            else crosses
-        pinned = crosses and self._cuda_host()
-        buffer = self.runtime.host_buffer(n, dtype).zero_() if pinned else torch.zeros(n, dtype=dtype)
-        return self.book_host(purpose, buffer, pinned)
+    def buffer_spec(self, name: str) -> BufferSpec:
+        """The entry of bucket_buffers for buffer ``name`` at this bucket's ZeRO place (``rank_world``)."""
+        for spec in bucket_buffers(self.storage, self.numel, *self.rank_world):
+            if spec.name == name:
+                return spec
+        raise RuntimeError(f"socompile: bucket {self.index} has no {name!r} buffer in its layout "
+                           f"({self.storage}); this is a bug")
+
+    def has_buffer(self, name: str) -> bool:
+        return any(spec.name == name for spec in bucket_buffers(self.storage, self.numel, *self.rank_world))
+
+    def make_buffer(self, name: str, zeroed: bool = True) -> torch.Tensor:
+        """Buffer ``name`` as bucket_buffers lays it out: its dtype and elements; pinned host memory (through the
+        runtime, for its copy streams) or pageable, or device memory; host buffers booked in ``host_ledger``."""
+        spec = self.buffer_spec(name)
+        dtype = getattr(torch, spec.dtype)
+        if spec.where == "device":
+            return torch.zeros(spec.elements, dtype=dtype, device=self.device)
+        if spec.pinned:
+            buffer = self.runtime.host_buffer(spec.elements, dtype)
+            buffer = buffer.zero_() if zeroed else buffer
+        else:
+            buffer = torch.zeros(spec.elements, dtype=dtype) if zeroed else torch.empty(spec.elements, dtype=dtype)
+        return self.book_host(spec.purpose, buffer, spec.pinned)
+
+    def held_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers this bucket holds now, by their bucket_buffers name (those made on first use once made)."""
+        held = {MASTER_BUFFER: self.master, GRAD_BUFFER: self.grad, EXP_AVG_BUFFER: self.exp_avg,
+                EXP_AVG_SQ_BUFFER: self.exp_avg_sq, WEIGHTS_BUFFER: self.weights,
+                LOW_STAGE_BUFFER: self._stage16 if self.device_shard is None else self.device_shard.stage,
+                ACCUMULATION_BUFFER: self._stage_acc}
+        if self.spare is not None:
+            held.update(zip((SPARE_MASTER_BUFFER, SPARE_EXP_AVG_BUFFER, SPARE_EXP_AVG_SQ_BUFFER), self.spare))
+        return {name: t for name, t in held.items() if t is not None}
 
     def book_host(self, purpose: str, buffer: torch.Tensor, pinned: bool) -> torch.Tensor:
         """Book a host buffer of this bucket (a device-stepped bucket's buffers are device memory: the device
@@ -162,14 +195,6 @@ class FlatBucket(HostMasterCopies):
         if self.host_ledger is not None and self.site == "cpu":
             self.host_ledger.book(purpose, buffer, pinned)
         return buffer
-
-    def _landing_dtype(self, link_dtype: str | None, shard: tuple[int, int] | None) -> torch.dtype:
-        """The dtype of the host gradient buffer (``landing_dtype``, the one rule): the plan's link dtype for a
-        CPU-stepped bucket with a separate master; else the state dtype (no plan: an eager pool bucket; a shared
-        master, whose parameters' ``.grad`` are views of it; device-stepped state; a ZeRO-sharded bucket: the host
-        reduce-scatter sums in fp32, and device-side ZeRO re-makes the buffer for its shard, narrow_to_device_shard)."""
-        crosses = self.mirror and self.site == "cpu" and not (shard is not None and shard[1] > 1)
-        return landing_dtype(TORCH_DTYPES.get(link_dtype or "") if crosses else None, self.state_dtype)
 
     @staticmethod
     def _no_zero():
@@ -258,13 +283,22 @@ class FlatBucket(HostMasterCopies):
             return
         if self.mirror and self.master.device.type != "cpu":
             self._no_zero()
-        if device_shard_eligible(self):   # master, gradients and state for the chunk; collectives on the device
-            narrow_to_device_shard(self, rank, world)
+        self.rank_world = (rank, world)
+        if shard_layout(self.storage, world) == "chunk":   # master, gradients and state for the chunk; collectives
+            narrow_to_device_shard(self, rank, world)      # on the device
             return
         lo, hi = self.window = shard_window(self.numel, rank, world)
-        self.exp_avg, self.exp_avg_sq = (self.book_host(MOMENTS, t[lo:hi].clone(), False)
-                                         for t in (self.exp_avg, self.exp_avg_sq))
+        whole = (self.exp_avg, self.exp_avg_sq)
+        self.exp_avg, self.exp_avg_sq = self.make_buffer(EXP_AVG_BUFFER), self.make_buffer(EXP_AVG_SQ_BUFFER)
+        for mine, t in zip((self.exp_avg, self.exp_avg_sq), whole):
+            mine.copy_(t[lo:hi])
         self.state_lo, self.spare = lo, None
+
+    def unshard(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Undo ``shard`` (host path) with the whole moments gathered from every rank (a new bucket layout adopts
+        from them: ZeroSharding.unshard_state); the spare is re-made whole on use."""
+        self.exp_avg, self.exp_avg_sq = exp_avg, exp_avg_sq
+        self.state_lo, self.spare, self.window, self.rank_world = 0, None, None, (0, 1)
 
     def adopt(self, previous: dict[int, tuple["FlatBucket", int]]) -> None:
         """Fill this bucket from the parameters (or from the bucket that held them before) and re-point
@@ -368,10 +402,8 @@ class FlatBucket(HostMasterCopies):
         spare master covers the window only."""
         if self.spare is None:
             # The spare master becomes the master at a commit (swap_in_spare): pinned when the master is.
-            master_size = (self.exp_avg if self.sharded else self.master).numel()
-            self.spare = (self._state_buffer(master_size, SPARES, crosses=not self.sharded and self.master_crosses()),
-                          self._state_buffer(self.exp_avg.numel(), SPARES, crosses=False, dtype=self.moment_dtype),
-                          self._state_buffer(self.exp_avg_sq.numel(), SPARES, crosses=False, dtype=self.moment_dtype))
+            self.spare = tuple(self.make_buffer(name) for name in
+                               (SPARE_MASTER_BUFFER, SPARE_EXP_AVG_BUFFER, SPARE_EXP_AVG_SQ_BUFFER))
         return self.spare
 
     def swap_in_spare(self) -> None:

@@ -27,7 +27,7 @@ import contextlib
 import torch
 
 from . import ranges
-from .memory import ACCUMULATION, STAGING
+from ..plan.bucket_buffers import ACCUMULATION_BUFFER, LOW_STAGE_BUFFER, WEIGHTS_BUFFER
 from ..plan.host_work import (ACCUMULATION_ADD, GRADIENT_COPY, HOST_CAST, UPLOAD_COPY, add_bytes,
                               copy_bytes)
 from .traffic import GRADIENTS, WEIGHT_UPLOAD
@@ -94,11 +94,9 @@ def upload_order(buckets: list) -> list:
 class HostMasterCopies:
     """The host master's copies of a ``FlatBucket`` (its base class): see the NOTE above."""
 
-    def _init_host_copies(self, total: int) -> None:
+    def _init_host_copies(self) -> None:
         # mirror mode: the parameters' flat device buffer (None: the parameters alias ``master``)
-        self.weights = None
-        if self.mirror and not (self.site == "device" and self.dtype == torch.float32):
-            self.weights = torch.zeros(total, dtype=self.dtype, device=self.device)
+        self.weights = self.make_buffer(WEIGHTS_BUFFER) if self.has_buffer(WEIGHTS_BUFFER) else None
         self.dirty = False             # master changed since the last upload
         self.grad_event = None         # CUDA: the D2H copy of the last gradients (the CPU step waits on it)
         self.upload_event = None       # CUDA: the last upload (host buffers it reads are not rewritten before it)
@@ -184,10 +182,14 @@ class HostMasterCopies:
 
     @property
     def device_casts(self) -> bool:
-        """The plan put this stationary bucket's cast on the device: its fp32 master crosses and the device
-        casts it into the weights (through ``upload_staging``); else a bf16 copy cast on the host crosses."""
-        return self.upload_staging is not None and not self.flow and self.weights is not None \
-            and self.weights.dtype != self.master.dtype
+        """The plan put this stationary bucket's cast on the device (``storage.device_cast``): its fp32 master
+        crosses and the device casts it into the weights (through ``upload_staging``, which the graph hands over,
+        ``use_upload_staging``); else a bf16 copy cast on the host crosses."""
+        return self.storage.device_cast and self.device_shard is None
+
+    def use_upload_staging(self, staging: UploadStaging) -> None:
+        """The device's fp32 upload staging this bucket's device casts go through (its graph's, shared)."""
+        self.upload_staging = staging
 
     def link_source(self, dtype: torch.dtype) -> torch.Tensor:
         """What a flow fetch in ``dtype`` reads: the bf16 stage when it holds the master cast to bf16 (half the
@@ -203,10 +205,7 @@ class HostMasterCopies:
 
     def _sync_stage16(self) -> None:
         if self._stage16 is None:
-            pinned = self._cuda_host()
-            self._stage16 = self.book_host(STAGING, self.runtime.host_buffer(self.numel, self.dtype)
-                                           if self.runtime is not None else torch.empty(self.numel, dtype=self.dtype),
-                                           pinned)
+            self._stage16 = self.make_buffer(LOW_STAGE_BUFFER, zeroed=False)
             self._low_holds = LOW_STALE
         if not self.low_in_sync():
             self.before_host_write()
@@ -268,6 +267,9 @@ class HostMasterCopies:
         """The plan's cast_site "device": the fp32 master crosses into a device staging buffer and the device
         casts it into the weights, both on the "h2d" stream. The staging buffer is reused two uploads later, once
         the cast that read it is done (``UploadStaging.take``). CPU build: the same two copies, in host memory."""
+        if self.upload_staging is None:
+            raise RuntimeError(f"socompile: bucket {self.index} casts its uploads on the device but was given no "
+                               f"upload staging (use_upload_staging); this is a bug")
         staging, slot = self.upload_staging.take(self.numel)
         self.traffic.add_copy("h2d", WEIGHT_UPLOAD, staging)
         rt = self.runtime
@@ -396,8 +398,7 @@ class HostMasterCopies:
                 add = accumulate and self.has_grad[i]
                 if add:
                     if self._stage_acc is None:
-                        self._stage_acc = self.book_host(ACCUMULATION,
-                                                         self.runtime.host_buffer(self.numel, self.grad.dtype), True)
+                        self._stage_acc = self.make_buffer(ACCUMULATION_BUFFER, zeroed=False)
                     self._pending_adds.append(i)
                 pairs.append(((self._stage_acc if add else self.grad)[seg], flat_real(g)))
                 self.has_grad[i] = True

@@ -81,7 +81,7 @@ class OffloadRuntime:
         cast = {b.index for b in device_cast_buckets(self.plan)}
         for b, flat in zip(self.plan.buckets, self.buckets):
             if b.index in cast and self.upload_staging is not None:
-                flat.upload_staging = self.upload_staging
+                flat.use_upload_staging(self.upload_staging)
 
     def numel(self, bucket: int) -> int:
         return self.buckets[bucket].numel   # a device-sharded bucket's master holds its shard only

@@ -37,32 +37,10 @@ import threading
 
 import torch
 
-from .host_master import HALF_WEIGHTS, store_gradients
-from .memory import LANDING, MASTER, MOMENTS, STAGING
+from ..plan.bucket_buffers import (EXP_AVG_BUFFER, EXP_AVG_SQ_BUFFER, GRAD_BUFFER, LOW_STAGE_BUFFER,
+                                   MASTER_BUFFER, shard_window)
+from .host_master import store_gradients
 from .traffic import FLOW_FETCH, GRADIENTS as GRADIENT_LINK, WEIGHT_UPLOAD
-
-
-def shard_window(numel: int, rank: int, world: int) -> tuple[int, int]:
-    """Elements [lo, hi) of a bucket of ``numel`` that ``rank`` of ``world`` owns: equal chunks of
-    ceil(numel / world) (the reduce-scatter pads the bucket to world chunks); the last ones may be short or empty."""
-    chunk = -(-numel // world)
-    lo = min(rank * chunk, numel)
-    return lo, min(lo + chunk, numel)
-
-
-def device_shard_eligible(bucket) -> bool:
-    """The bucket can keep host state for its shard only and reduce / gather on the device (see the module doc)."""
-    return (bucket.mirror and bucket.site == "cpu" and bucket.weights is not None
-            and bucket.runtime is not None and bucket.runtime.kind == "cuda"
-            and bucket.state_dtype == torch.float32)
-
-
-def landing_dtype(link_dtype: torch.dtype | None, state_dtype: torch.dtype) -> torch.dtype:
-    """The one rule for a host gradient landing buffer's dtype: gradients that cross the link in bf16 land as they
-    crossed when the state is fp32 (the CPU kernel reads bf16 or fp32 gradients); anything else lands in the state
-    dtype. ``link_dtype``: what crosses (the plan's link dtype; device-side ZeRO: the weights' dtype, in which the
-    device reduces); None: nothing crosses (a shared master, device-stepped state, the host reduce-scatter)."""
-    return torch.bfloat16 if link_dtype == torch.bfloat16 and state_dtype == torch.float32 else state_dtype
 
 
 def chunk_of(numel: int, world: int) -> int:
@@ -138,8 +116,9 @@ class DeviceShard:
         self._work_lock = threading.Lock()
         self.shard_buffer = None if self.flow else self.runtime.empty(self.chunk, self.dtype).zero_()
         self.reduced = None              # the reduce-scatter's output (shard_buffer; flow: a chunk of grads)
-        self.stage = bucket.book_host(STAGING, self.runtime.host_buffer(self.chunk, self.dtype), True) \
-            if self.dtype in HALF_WEIGHTS else None   # bf16 / fp16 weights: the shard cast on the host
+        # bf16 / fp16 weights: the shard cast on the host (bucket_buffers lays it out at the bucket's chunk)
+        self.stage = bucket.make_buffer(LOW_STAGE_BUFFER, zeroed=False) \
+            if bucket.has_buffer(LOW_STAGE_BUFFER) else None
         self.pool.ledger.alloc(SHARDS, id(self), self.fixed_device_bytes())
 
     @property
@@ -282,16 +261,16 @@ def narrow_to_device_shard(bucket, rank: int, world: int) -> None:
         shard.receive(bucket, [], [], accumulate=True)   # makes the flat buffer
         shard.grads[:bucket.numel].copy_(bucket.grad)
 
-    def cut(whole: torch.Tensor, purpose: str, crosses: bool) -> torch.Tensor:
-        mine = bucket._state_buffer(shard.chunk, purpose, crosses)
+    def cut(whole: torch.Tensor, name: str) -> torch.Tensor:
+        mine = bucket.make_buffer(name)   # the chunk's, as bucket_buffers lays it out (bucket.rank_world)
         mine[:hi - lo].copy_(whole[lo:hi])
         return mine
 
     # whole until now; the master is read by the shard's upload only when the weights are not bf16 (bf16 weights
     # go up from the pinned bf16 stage, cast on the host: this path's one cast site)
-    bucket.exp_avg, bucket.exp_avg_sq = (cut(t, MOMENTS, False) for t in (bucket.exp_avg, bucket.exp_avg_sq))
-    bucket.master = cut(bucket.master, MASTER, bucket.dtype not in HALF_WEIGHTS)
-    bucket.grad = _landing_buffer(bucket, shard.chunk)
+    bucket.exp_avg, bucket.exp_avg_sq = cut(bucket.exp_avg, EXP_AVG_BUFFER), cut(bucket.exp_avg_sq, EXP_AVG_SQ_BUFFER)
+    bucket.master = cut(bucket.master, MASTER_BUFFER)
+    bucket.grad = bucket.make_buffer(GRAD_BUFFER)   # the device reduces in the weights' dtype
     if not bucket.flow:   # a flow bucket's weights hold nothing between uses: its fetches gather whole windows
         weights = bucket.runtime.empty(shard.padded, bucket.dtype)
         weights[:bucket.numel].copy_(bucket.weights)
@@ -307,11 +286,6 @@ def narrow_to_device_shard(bucket, rank: int, world: int) -> None:
     bucket.device_shard = shard
 
 
-def _landing_buffer(bucket, chunk: int) -> torch.Tensor:
-    dtype = landing_dtype(bucket.dtype, bucket.state_dtype)   # the device reduces in the weights' dtype
-    return bucket.book_host(LANDING, bucket.runtime.host_buffer(chunk, dtype).zero_(), True)
-
-
 def widen_from_gathered(bucket, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
     """Undo ``narrow_to_device_shard`` with whole buffers gathered from every rank (a new bucket layout adopts
     from them: ZeroSharding.unshard_state). Gradients still being accumulated on the device come down whole."""
@@ -324,6 +298,6 @@ def widen_from_gathered(bucket, master: torch.Tensor, exp_avg: torch.Tensor, exp
     bucket.weights = bucket.weights[:n]
     bucket.spare, bucket._stage16 = None, None
     bucket._views.clear()
-    bucket.window, bucket.state_lo, bucket.host_lo = None, 0, 0
+    bucket.window, bucket.state_lo, bucket.host_lo, bucket.rank_world = None, 0, 0, (0, 1)
     shard.close()
     bucket.device_shard = None
