@@ -171,7 +171,7 @@ def lay_out_buckets(ctx: CompileContext) -> None:
                                 origin=ctx.origin)
     ctx.claim_handle = claim.handle
     for bucket in claim.buckets:   # option optimizer_threads: the CPU kernel's threads for these buckets
-        bucket.kernel_threads = ctx.options.optimizer_threads
+        bucket.use_kernel_threads(ctx.options.optimizer_threads)
     _bind_runtime(ctx, claim)
     _bind_activation_runtime(ctx)
 

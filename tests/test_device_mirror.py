@@ -284,7 +284,7 @@ def master_ref_pair(options, steps=4, clip=None, compute="eager", device="cpu", 
 
 def assert_bf16_close(ours, ref, masters, opt):
     for p, m in zip(ours.parameters(), masters):
-        bucket, i = opt._slot[id(p)]
+        bucket, i = opt.param_slots[id(p)]
         torch.testing.assert_close(bucket.view(bucket.master, i), m.detach(), atol=1e-6, rtol=0)
     differ = total = 0
     with opt.materialized_weights():
@@ -321,12 +321,12 @@ def test_bf16_model_with_clipping_and_inductor_trains_like_the_reference():
     ours, ref, masters, opt, _ = master_ref_pair(dict(gpu_buckets=3, weight_mode="flow", prefetch_distance=1),
                                                  clip=0.5, compute="inductor", steps=steps)
     assert opt.last_step_clipped and opt.stats["redone"] > 0
-    diff = torch.cat([(opt._slot[id(p)][0].view(opt._slot[id(p)][0].master, opt._slot[id(p)][1]) - m.detach())
+    diff = torch.cat([(opt.param_slots[id(p)][0].view(opt.param_slots[id(p)][0].master, opt.param_slots[id(p)][1]) - m.detach())
                       .abs().flatten() for p, m in zip(ours.parameters(), masters)])
     assert diff.max() <= 2 * HYP["lr"] * steps and diff.mean() <= 1e-4, (diff.max(), diff.mean())
     with opt.materialized_weights():
         for p in ours.parameters():
-            bucket, i = opt._slot[id(p)]
+            bucket, i = opt.param_slots[id(p)]
             assert torch.equal(p.detach(), bucket.view(bucket.master, i).to(torch.bfloat16))   # uploaded, RNE
 
 
@@ -404,7 +404,7 @@ def test_model_state_dict_of_a_separate_master_holds_the_committed_weights_witho
     state = model.state_dict()
     for name, value in expected.items():
         assert torch.equal(state[name], value), name
-        bucket, i = opt._slot[id(dict(model.named_parameters())[name])]
+        bucket, i = opt.param_slots[id(dict(model.named_parameters())[name])]
         assert torch.equal(state[name], bucket.view(bucket.master, i).to(torch.bfloat16))
     torch.save(state, tmp_path / "model.pt")
     loaded = torch.load(tmp_path / "model.pt", weights_only=True)
@@ -440,7 +440,7 @@ def test_model_load_state_dict_of_a_separate_master_updates_the_host_master_and_
     flow = [b for b in ro.buckets if b.flow]
     assert flow and all(b.weights.untyped_storage().nbytes() == 0 for b in flow)
     for name, p in resumed.named_parameters():
-        bucket, i = ro._slot[id(p)]
+        bucket, i = ro.param_slots[id(p)]
         assert torch.equal(bucket.view(bucket.master, i), saved_model[name].float()), name
         if not bucket.flow:   # still a view of the device buffer, holding the loaded value
             assert p.data_ptr() == bucket.view(bucket.weights, i).data_ptr() and torch.equal(p, saved_model[name])
@@ -760,7 +760,7 @@ def test_cuda_model_trains_like_the_eager_reference(dtype, case):
         else:
             assert bucket.master.is_cuda
     for p, m in zip(ours.parameters(), masters):
-        bucket, i = opt._slot[id(p)]
+        bucket, i = opt.param_slots[id(p)]
         torch.testing.assert_close(bucket.view(bucket.master, i).float().cpu(), m.detach().cpu(), atol=1e-4, rtol=0)
     with opt.materialized_weights():
         for p, q in zip(ours.parameters(), ref.parameters()):

@@ -211,7 +211,7 @@ def _train(model, opt, batches, rank: int, world: int) -> list[float]:
 
 def _master_pieces(opt) -> dict[int, tuple[int, torch.Tensor]]:
     """Parameter index (in the optimizer) -> (first element, this rank's piece of its flat fp32 master)."""
-    index_of = {id(p): k for k, p in enumerate(opt._all_params())}
+    index_of = {id(p): k for k, p in enumerate(opt.all_params())}
     out = {}
     for b in opt.buckets:
         for i, p in enumerate(b.params):
@@ -253,7 +253,7 @@ def _load_a_host_path_checkpoint(path: str, topo) -> bool:
     sd.shard_optimizer(opt, topo.world_group)
     _train(model, opt, _batches(SAVE_AT), topo.rank, topo.world_size)
     sd.save(path, model, opt, step=SAVE_AT)
-    index_of = {id(p): k for k, p in enumerate(opt._all_params())}
+    index_of = {id(p): k for k, p in enumerate(opt.all_params())}
     whole = {index_of[id(p)]: b.view(b.master, i).reshape(-1).clone() for b in opt.buckets
              for i, p in enumerate(b.params)}
     assert not any(b.device_shard for b in opt.buckets)
@@ -337,7 +337,7 @@ def test_device_sharded_checkpoint_resumes_bitwise_loads_into_one_process_and_re
     model, opt = _build_bf16(1)
     assert sd.load(args["dir"], model, opt) == {"step": SAVE_AT}
     # the ranks' pieces of every master, whole in one process (another world size: the pieces re-shard)
-    index_of = {id(p): k for k, p in enumerate(opt._all_params())}
+    index_of = {id(p): k for k, p in enumerate(opt.all_params())}
     for b in opt.buckets:
         for i, p in enumerate(b.params):
             master = b.view(b.master, i).reshape(-1)

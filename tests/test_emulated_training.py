@@ -135,7 +135,7 @@ def train_segment(spec, cmodel, ref, opt, data, steps, accumulate, history):
 
 
 def assert_matches_reference(ours, ref, opt):
-    masters = [opt._slot[id(p)][0].view(opt._slot[id(p)][0].master, opt._slot[id(p)][1]).reshape(p.shape)
+    masters = [opt.param_slots[id(p)][0].view(opt.param_slots[id(p)][0].master, opt.param_slots[id(p)][1]).reshape(p.shape)
                for p in ours.parameters()]
     if ref.masters is ref.params:
         with opt.materialized_weights():

@@ -4,7 +4,10 @@
 - no ``global`` statement in socompile/;
 - the planner (plan/), the performance model (perf/) and the hardware profiles (hardware/) sit below the passes,
   the runtime, the backend, the pipeline drivers and the CLI: nothing they import, directly or through other
-  socompile modules, lives there.
+  socompile modules, lives there;
+- each object owns its state: no module reads or writes ``x._name`` (``x`` not ``self`` or ``cls``) where
+  ``_name`` is an attribute or method that only classes of other socompile modules define (an owner offers a
+  public method or attribute instead).
 
 How imports are counted: relative imports are resolved; ``from pkg import name`` counts as an import of the
 submodule ``pkg.name`` when that file exists, else of ``pkg``; importing ``a.b.c`` also runs the ``__init__`` of
@@ -226,3 +229,88 @@ def test_the_checker_counts_the_package_init_an_import_runs_and_skips_type_check
     assert find_cycle(runtime_graph(graph, set())) is None             # the TYPE_CHECKING import never runs
     chain = path_to_layer(graph, "pkg.low.x", ("pkg.high",), set())    # ... but it counts for the layering rule
     assert chain is not None and describe_chain(chain) == "pkg.low.x (pkg/low/x.py:3) -> pkg.high"
+
+
+# torch's protocol attributes, which socompile sets on objects torch reads (Dynamo's boxed calling convention).
+TORCH_PROTOCOL = {"_boxed_call"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def foreign_private_accesses(files: dict[str, str]) -> list[str]:
+    """``module:line x._name`` for each access of a private attribute that no class of that module defines but
+    a class of another module in ``files`` ({module: source}) does."""
+    trees = {name: ast.parse(text) for name, text in files.items()}
+    owners: dict[str, set[str]] = {}
+    for module, tree in trees.items():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for node in ast.walk(cls):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _private(node.name):
+                    owners.setdefault(node.name, set()).add(module)
+                elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _private(node.attr)
+                      and isinstance(node.value, ast.Name) and node.value.id == "self"):
+                    owners.setdefault(node.attr, set()).add(module)
+    found = []
+    for module, tree in trees.items():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and node.attr in owners) or node.attr in TORCH_PROTOCOL:
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if module not in owners[node.attr]:
+                found.append(f"{module}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_reaches_into_another_modules_objects():
+    files = {str(p.relative_to(SOURCE)): p.read_text() for p in SOURCE.rglob("*.py")}
+    assert foreign_private_accesses(files) == []
+
+
+def test_the_ownership_checker_finds_a_read_and_a_write_of_another_modules_private_state():
+    owner = "class Bucket:\n    def __init__(self):\n        self._spare = None\n    def _swap(self):\n        pass\n"
+    user = "def f(bucket):\n    bucket._spare = 1\n    bucket._swap()\n    bucket._version\n"
+    found = foreign_private_accesses({"bucket.py": owner, "user.py": user})
+    assert found == ["user.py:2 bucket._spare", "user.py:3 bucket._swap"]   # torch's _version is not ours
+
+
+BUCKET_MODULES = ("runtime/flat_bucket.py", "runtime/host_master.py")   # FlatBucket and its HostMasterCopies part
+TENSOR_ATTRIBUTES = {"grad", "data"}   # a parameter's own (torch's), which the optimizer sets as torch's does
+
+
+def foreign_bucket_writes(files: dict[str, str]) -> list[str]:
+    """``module:line x.name = ...`` for each assignment, outside the bucket's modules, of an attribute that the
+    bucket sets on itself and that no class of the writing module owns (the bucket's state changes through its
+    methods only)."""
+    def assigned_on_self(tree) -> set[str]:
+        return {n.attr for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef) for n in ast.walk(cls)
+                if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name)
+                and n.value.id == "self"} | {n.target.id for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef)
+                                             for n in cls.body if isinstance(n, ast.AnnAssign)
+                                             and isinstance(n.target, ast.Name)}
+    trees = {name: ast.parse(text) for name, text in files.items()}
+    bucket = set().union(*(assigned_on_self(trees[m]) for m in BUCKET_MODULES if m in trees)) - TENSOR_ATTRIBUTES
+    found = []
+    for module, tree in trees.items():
+        if module in BUCKET_MODULES:
+            continue
+        own = assigned_on_self(tree)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and node.attr in bucket
+                    and node.attr not in own and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
+                found.append(f"{module}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_only_the_bucket_changes_its_own_state():
+    files = {str(p.relative_to(SOURCE)): p.read_text() for p in SOURCE.rglob("*.py")}
+    assert foreign_bucket_writes(files) == []
+
+
+def test_the_bucket_write_checker_finds_a_write_from_outside():
+    bucket = "class FlatBucket:\n    def __init__(self):\n        self.stepped = False\n        self.grad = None\n"
+    user = "def f(bucket, p):\n    bucket.stepped = True\n    p.grad = None\n"
+    found = foreign_bucket_writes({"runtime/flat_bucket.py": bucket, "optim/user.py": user})
+    assert found == ["optim/user.py:2 bucket.stepped"]

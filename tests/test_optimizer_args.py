@@ -199,7 +199,7 @@ def test_float64_parameters_keep_float64_state_and_equal_torch_float64_adamw(hos
     # relative 1e-7 in the coefficient that a float64 comparison would see.
     dtypes = [torch.float64, torch.float64] + ([torch.float32] if clip is None else [])
     ours, ref, opt, ref_opt = _train_against_torch(dtypes, steps, clip, host_master=host_master)
-    slot = opt._slot[id(ours[0])][0]
+    slot = opt.param_slots[id(ours[0])][0]
     assert slot.master.dtype == slot.exp_avg.dtype == torch.float64
     assert opt.state[ours[0]]["exp_avg_sq"].dtype == torch.float64
     # float64 buckets are stepped by torch's fused AdamW (the same formula as torch's for-loop, fused):

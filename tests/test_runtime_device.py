@@ -224,6 +224,6 @@ def test_an_optimizer_owns_one_runtime_per_device_shared_by_its_buckets():
     second = socompile.AdamW(params(), bucket_size=256, host_master="separate")
     runtimes = {id(b.runtime) for b in first._pool}
     assert len(first._pool) > 1 and len(runtimes) == 1 and None not in {b.runtime for b in first._pool}
-    assert first._pool[0].runtime is first._runtimes.get("cpu", first.runtime_kind)
+    assert first._pool[0].runtime is first.runtimes.get("cpu", first.runtime_kind)
     assert second._pool[0].runtime is not first._pool[0].runtime
     assert isinstance(first._pool[0].runtime, dev.CPURuntime)

@@ -218,7 +218,7 @@ def test_under_the_emulated_runtime_a_cpu_model_gets_the_cuda_treatment(monkeypa
     opt = socompile.AdamW(model.parameters())
     assert opt.host_master == "separate" and opt.cpu_worker == "thread"
     bucket = opt.buckets[0]
-    assert bucket._cuda_host() and not bucket.runtime.api.is_device(bucket.master)
+    assert bucket.async_host_copies() and not bucket.runtime.api.is_device(bucket.master)
     assert bucket.runtime.api.is_device(bucket.weights)
 
 

@@ -160,8 +160,8 @@ def _check_optimizer(optimizer) -> None:
 def _optimizer_entries(optimizer, fresh_steps: bool):
     """(index, parameter, bucket, slot, state dict entries) for every parameter: steps as scalar tensors (new
     ones when ``fresh_steps``, for loading), moments as the pieces this rank's buckets hold."""
-    optimizer._wait_pending()
-    index_of = {id(p): k for k, p in enumerate(optimizer._all_params())}
+    optimizer.wait_pending()
+    index_of = {id(p): k for k, p in enumerate(optimizer.all_params())}
     for bucket in optimizer.buckets:
         for i, p in enumerate(bucket.params):
             held = bucket.held(i)
@@ -207,7 +207,7 @@ def _store_master(bucket, i: int, value) -> None:
     elif isinstance(value, _FlatPiece):
         _master_piece(bucket, i).copy_(value.local)
     else:
-        bucket._load_segment_window(i, value)   # whole: this rank's window of it
+        bucket.load_segment_window(i, value)   # whole: this rank's window of it
 
 
 def _groups(optimizer) -> list[dict]:
@@ -309,7 +309,7 @@ def load(path: str | os.PathLike, model=None, optimizer=None, *, group=None, str
         _store_master(bucket, i, master)
         bucket.master_changed()
     if masters:
-        optimizer._upload(optimizer.buckets)
+        optimizer.upload_buckets(optimizer.buckets)
     meta = _unpack(state["meta"]) if isinstance(state["meta"], bytes) else state["meta"]
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{path} is not a socompile sharded checkpoint (written by socompile.distributed.save)")
@@ -424,14 +424,14 @@ def full_optimizer_state_dict(optimizer, *, to_rank: int = 0, group=None) -> dic
     other ranks. Every rank calls it. Costs one full copy of the moments on ``to_rank``: for interoperation
     (``torch.optim.AdamW.load_state_dict``, ``socompile.save``), not for routine checkpoints."""
     _check_optimizer(optimizer)
-    optimizer._wait_pending()
-    sharding = optimizer._sharding
+    optimizer.wait_pending()
+    sharding = optimizer.sharding
     if sharding is None or sharding.world == 1:
         return optimizer.state_dict()
     group = sharding.group if group is None else group
     me = dist.get_rank(group)
     dst = dist.get_global_rank(group, to_rank) if group is not None else to_rank
-    index_of = {id(p): k for k, p in enumerate(optimizer._all_params())}
+    index_of = {id(p): k for k, p in enumerate(optimizer.all_params())}
     state: dict[int, dict] = {}
     for bucket in optimizer.buckets:   # the same order on every rank
         shard = sharding.shard_of(bucket)

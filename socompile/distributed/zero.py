@@ -130,7 +130,7 @@ class ZeroSharding:
         """A device-sharded flow bucket's fetch into ``window`` (zero_device.fetch_window); returns its wait."""
         return zero_device.fetch_window(self, bucket, window)
 
-    def _ring(self, nbytes: int, factor: float = 1.0) -> float:
+    def ring_bytes(self, nbytes: int, factor: float = 1.0) -> float:
         return factor * nbytes * (self.world - 1) / self.world
 
     # ------------------------------------------------------------- gradients
@@ -159,7 +159,7 @@ class ZeroSharding:
                 dist.reduce_scatter_tensor(recv, send, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         nbytes = send.numel() * send.element_size()
         self.stats.reduce_scatter_bytes += nbytes
-        self.stats.sent_bytes += self._ring(nbytes)
+        self.stats.sent_bytes += self.ring_bytes(nbytes)
         self._inflight[id(bucket)] = (work, recv, bucket)
 
     def finish_reduce(self, bucket) -> None:
@@ -205,7 +205,7 @@ class ZeroSharding:
         with guard("all-reduce of the gradient norm", self.group), zero_device.staged(both, self.group) as sent:
             dist.all_reduce(sent, op=dist.ReduceOp.SUM, group=self.group)
         self.stats.all_reduce_bytes += both.numel() * both.element_size()
-        self.stats.sent_bytes += self._ring(both.numel() * both.element_size(), 2.0)
+        self.stats.sent_bytes += self.ring_bytes(both.numel() * both.element_size(), 2.0)
         return float(both[0]), bool(both[1] > 0)
 
     # --------------------------------------------------------------- weights
@@ -241,7 +241,7 @@ class ZeroSharding:
                 bucket.master_changed()
             nbytes = full.numel() * full.element_size()
             self.stats.all_gather_bytes += nbytes
-            self.stats.sent_bytes += self._ring(nbytes)
+            self.stats.sent_bytes += self.ring_bytes(nbytes)
 
 
 @torch.no_grad()
@@ -253,7 +253,7 @@ def shard_optimizer(optimizer, group=None, broadcast_from: int | None = 0) -> Ze
 
     if not isinstance(optimizer, AdamW):
         raise TypeError(f"shard_optimizer needs a socompile.AdamW, got {type(optimizer).__name__}")
-    if optimizer._sharding is not None:
+    if optimizer.sharding is not None:
         raise RuntimeError("this optimizer is already sharded")
     sharding = ZeroSharding(group)
     if sharding.world > 1:
@@ -267,11 +267,11 @@ def shard_optimizer(optimizer, group=None, broadcast_from: int | None = 0) -> Ze
                     dist.broadcast(master, src=source, group=group)
                 if bucket.mirror:   # separate master: every rank's device weights from the broadcast master
                     bucket.master_changed()
-        optimizer._upload(optimizer.buckets)
-    optimizer._wait_pending()
+        optimizer.upload_buckets(optimizer.buckets)
+    optimizer.wait_pending()
     for bucket in optimizer.buckets:   # from now on each rank keeps optimizer state for its windows only
         bucket.shard(sharding.rank, sharding.world)
-    optimizer._sharding = sharding
+    optimizer.use_sharding(sharding)
     for runtime in {id(b.runtime): b.runtime for b in optimizer.buckets if b.runtime is not None}.values():
         zero_pool(runtime).collectives = sharding   # flow buckets' fetches all-gather through it (later claims too)
     if sharding.world > 1 and optimizer.host_master == "separate" and optimizer.runtime_kind in ("cuda", "emulated"):

@@ -59,7 +59,7 @@ def start(sharding, bucket) -> object | None:
                                           group=sharding.group, async_op=True)
     nbytes = shard.grads.numel() * shard.grads.element_size()
     sharding.stats.reduce_scatter_bytes += nbytes
-    sharding.stats.sent_bytes += sharding._ring(nbytes)
+    sharding.stats.sent_bytes += sharding.ring_bytes(nbytes)
     if sharding.stream_ordered:
         work.wait()
         shard.land(bucket)
@@ -92,7 +92,7 @@ def publish(sharding, bucket) -> None:
     shard.gather = PendingGather(work, bucket.index, sharding.group)
     nbytes = bucket.weights.numel() * bucket.weights.element_size()
     sharding.stats.all_gather_bytes += nbytes
-    sharding.stats.sent_bytes += sharding._ring(nbytes)
+    sharding.stats.sent_bytes += sharding.ring_bytes(nbytes)
 
 
 def fetch_window(sharding, bucket, window: torch.Tensor):
@@ -109,7 +109,7 @@ def fetch_window(sharding, bucket, window: torch.Tensor):
         work = dist.all_gather_into_tensor(window, mine, group=sharding.group, async_op=True)
     nbytes = window.numel() * window.element_size()
     sharding.stats.all_gather_bytes += nbytes
-    sharding.stats.sent_bytes += sharding._ring(nbytes)
+    sharding.stats.sent_bytes += sharding.ring_bytes(nbytes)
 
     def wait() -> None:
         with guard(f"all-gather of bucket {bucket.index}'s weights (fetch, wait)", sharding.group):

@@ -12,7 +12,7 @@ from ``FlatBucket.wait_upload_on_compute``):
     state_dict, checkpoints the model's state_dict hook, ``opt.materialized_weights`` / ``opt.wait_uploads``
     step / backward         the next upload or reduce-scatter into the shard buffer (the all-gather reads it)
     re-layout, teardown     ``ZeroSharding.unshard_state``, ``DeviceShard.close``, ``AdamW.__del__`` / hand-over
-    buckets no compiled forward waits for (``graph_waits_upload`` False): at the end of ``step()`` (``_upload``)
+    buckets no compiled forward waits for (``graph_waits_upload`` False): at the end of ``step()`` (``upload_buckets``)
 
 What a wait costs: with NCCL ``work.wait()`` makes the current (compute) stream wait for the collective, no host
 block, so the forward's first layers run while later buckets' weights are still being gathered; with gloo it
@@ -88,11 +88,11 @@ class EagerReadWaits:
     def __init__(self, optimizer):
         from ..optim.module_state import _owning_modules
         self._hooks, self.handles = [], []
-        for module in _owning_modules(optimizer._all_params()):
+        for module in _owning_modules(optimizer.all_params()):
             hook = _WaitBeforeEagerForward(optimizer, module.parameters())
             self._hooks.append(hook)
             self.handles.append(module.register_forward_pre_hook(hook))
-        self.index(optimizer._slot)
+        self.index(optimizer.param_slots)
 
     def index(self, slot: dict) -> None:
         for hook in self._hooks:

@@ -47,7 +47,7 @@ from .bucket_layout import make_buckets, pool_buckets
 from .graph_claim import ClaimLayout, Claims, GraphClaim, GraphOrigin
 from .hyper import check_group, check_moment_dtype, hyper_snapshot
 from .module_state import ModelStateHooks, _ModuleHook  # noqa: F401  (_ModuleHook: pickled models name it here)
-from .owner import hand_over, previous_owners, set_owner
+from .owner import previous_owners, release, set_owner
 from .state_dict import torch_param_group  # noqa: F401  (imported from here by socompile.distributed)
 from .validation import (commit, discard_iteration, step_now, undo_for_script_gradients, upload_final,
                          validate_and_finish)
@@ -104,7 +104,7 @@ class AdamW(torch.optim.Optimizer):
         self.rollback = rollback
         self.moment_dtype = check_moment_dtype(moment_dtype, rollback)
         self.last_step_clipped = False
-        self._speculator = Speculator(max_grad_norm, predict=predict_clipping)
+        self.speculator = Speculator(max_grad_norm, predict=predict_clipping)
         self.bucket_size = parse_bytes(bucket_size, "bucket_size")
         self.grad_accumulation_steps = grad_accumulation_steps
         self.events = EventLog()
@@ -115,22 +115,22 @@ class AdamW(torch.optim.Optimizer):
         self._jobs = BucketJobs()   # the CPU worker's bucket jobs in flight (its steps, and the ends step() left)
         self._step_ends: dict[int, _StepEnd] = {}   # id(bucket): a step() that returned before its job ended
         self._claims = Claims()
-        self._slot: dict[int, tuple[FlatBucket, int]] = {}
-        self._group_index: dict[int, int] = {}
-        self._taken_over = False
+        self.param_slots: dict[int, tuple[FlatBucket, int]] = {}
+        self.group_index: dict[int, int] = {}
+        self.taken_over = False
         self._own(range(len(self.param_groups)))
         self._pool: list[FlatBucket] = []
-        self._runtimes = Runtimes()   # the device runtime (streams) of this optimizer's buckets, per device
+        self.runtimes = Runtimes()   # the device runtime (streams) of this optimizer's buckets, per device
         self.host_ledger = HostLedger()   # every host buffer of its buckets (and offloaded activations)
         # ZeRO-style data parallelism (socompile.distributed.zero.shard_optimizer sets it): reduce-scatters each
         # bucket's gradients, makes every rank step only its shard, agrees on validation, all-gathers weights.
-        self._sharding = None
+        self.sharding = None
         self._warned_no_grads = False
         self.warned_script_clip = False   # said once: a script's clip and max_grad_norm both present
         self._rebuild_pool()
         # Separate host master: the model's state_dict() / load_state_dict() go through the host master (flow
         # parameters hold no bytes between uses; a loaded stationary weight must reach the master too).
-        self._model_state = ModelStateHooks(self) if self.host_master == "separate" else None
+        self.model_state = ModelStateHooks(self) if self.host_master == "separate" else None
 
     # NOTE: copies. torch's Optimizer pickles (and deep-copies) defaults, state and param_groups only, which
     # left a copy without the attributes this class sets in __init__ (its buckets, its public settings). A copy
@@ -147,25 +147,25 @@ class AdamW(torch.optim.Optimizer):
         return dict(**{k: self.defaults[k] for k in ("lr", "betas", "eps", "weight_decay", "decoupled")},
                     max_grad_norm=self.max_grad_norm, bucket_size=self.bucket_size,
                     grad_accumulation_steps=self.grad_accumulation_steps, skip_nonfinite=self.skip_nonfinite,
-                    rollback=self.rollback, predict_clipping=self._speculator.predict, cpu_worker=self.cpu_worker,
+                    rollback=self.rollback, predict_clipping=self.speculator.predict, cpu_worker=self.cpu_worker,
                     host_master=self.host_master, moment_dtype=self.moment_dtype)
 
     # -------------------------------------------------------------- takeover
     def _check_not_taken_over(self) -> None:
-        if self._taken_over:
+        if self.taken_over:
             raise RuntimeError("this socompile.AdamW can no longer be used: its parameters were taken over by a "
                                "newer socompile.AdamW built over the same parameters (e.g. a re-run notebook cell, "
                                "or an optimizer re-created after loading a checkpoint). Use the new optimizer.")
 
     # ----------------------------------------------------------------- layout
-    def _all_params(self) -> list[nn.Parameter]:
+    def all_params(self) -> list[nn.Parameter]:
         return [p for group in self.param_groups for p in group["params"]]
 
     @property
     def buckets(self) -> list[FlatBucket]:
-        return self._claimed_buckets() + self._pool
+        return self.claimed_buckets() + self._pool
 
-    def _claimed_buckets(self) -> list[FlatBucket]:
+    def claimed_buckets(self) -> list[FlatBucket]:
         return [b for claim in self._claims.active() for b in claim.buckets]
 
     def add_param_group(self, param_group: dict) -> None:
@@ -175,7 +175,7 @@ class AdamW(torch.optim.Optimizer):
         if isinstance(param_group, dict):
             check_group(param_group, where=f"param group {len(self.param_groups)}: ")
         super().add_param_group(param_group)
-        if not hasattr(self, "_slot"):   # called by Optimizer.__init__: our __init__ registers the groups
+        if not hasattr(self, "param_slots"):   # called by Optimizer.__init__: our __init__ registers the groups
             return
         self._own([len(self.param_groups) - 1])
         self._rebuild_pool()
@@ -186,11 +186,33 @@ class AdamW(torch.optim.Optimizer):
         first, so the buckets laid out next read each parameter's current weights."""
         params = [p for gi in group_indices for p in self.param_groups[gi]["params"]]
         for previous in previous_owners(params, self):
-            hand_over(previous)
+            previous.hand_over()
         for gi in group_indices:
             for p in self.param_groups[gi]["params"]:
                 set_owner(p, self)
-                self._group_index[id(p)] = gi
+                self.group_index[id(p)] = gi
+
+    def hand_over(self) -> None:
+        """A newer socompile.AdamW was built over (some of) this optimizer's parameters and takes them over.
+        This one gives all its parameters back to the model as they are now (the step in flight finished, flow
+        weights filled for good, the model's state-dict hooks removed, no owner) and refuses any further use."""
+        self.wait_pending()
+        self.wait_uploads()
+        for bucket in self.buckets:
+            bucket.keep_weights()
+        if self.model_state is not None:
+            self.model_state.remove()
+            self.model_state = None
+        for p in self.all_params():
+            release(p, self)
+        self.taken_over = True
+
+    def use_sharding(self, sharding) -> None:
+        """ZeRO (socompile.distributed.zero.shard_optimizer): from now on this optimizer's buckets are reduced,
+        stepped and gathered through ``sharding`` (its buckets were cut to this rank's shard first)."""
+        if self.sharding is not None:
+            raise RuntimeError("this optimizer is already sharded")
+        self.sharding = sharding
 
     def _rebuild_pool(self) -> None:
         """Lay out again the buckets of every parameter no active claim holds (optim/bucket_layout.py)."""
@@ -214,20 +236,20 @@ class AdamW(torch.optim.Optimizer):
         parameters it shares with older claims over (see graph_claim.py), unless both are pieces of one
         graph-broken region, whose backward passes would both produce the shared gradients."""
         self._check_not_taken_over()
-        self._wait_pending()
+        self.wait_pending()
         layout = ClaimLayout.of(param_lists, early_step, rollback, sites, weight_modes, link_dtypes, cast_sites)
-        if any(i not in self._group_index for i in layout.key):
+        if any(i not in self.group_index for i in layout.key):
             raise ValueError("the compiled graph's parameter is not in this optimizer")
         claim = self._claims.get_or_add(self, layout, origin or GraphOrigin())
-        self._activate(claim)
+        self.activate_claim(claim)
         return claim
 
-    def _activate(self, claim: GraphClaim) -> None:
+    def activate_claim(self, claim: GraphClaim) -> None:
         """Lay out ``claim``'s buckets, adopting its parameters' state from wherever it is; the active claims
         that held some of them go stale, their other parameters go to the pool."""
         if claim.active:
             return
-        self._wait_pending()
+        self.wait_pending()
         self._claims.take_over(claim)
         claim.buckets[:] = make_buckets(self, **claim.layout.bucket_args())
         for bucket, mode in zip(claim.buckets, claim.layout.rollback or ()):
@@ -237,14 +259,14 @@ class AdamW(torch.optim.Optimizer):
                     f"{bucket.index}'s speculative step with the algebraic inverse (rollback 'inverse', chosen to "
                     f"fit host memory), which bf16 moments cannot use (they are rounded stochastically: no inverse "
                     f"gives them back). Use fp32 moments for this model, or plan for a host with more memory.")
-            bucket.rollback_mode = mode
+            bucket.use_rollback(mode)
         for runtime in getattr(claim, "offload_runtimes", ()):   # the graph's device staging of its uploads
             runtime.attach_upload_staging()
         claim.active = True
         self._rebuild_pool()
 
     # ------------------------------------------------------------- backward
-    def _on_grads(self, bucket: FlatBucket, segments: list[int], grads: list[torch.Tensor],
+    def receive_gradients(self, bucket: FlatBucket, segments: list[int], grads: list[torch.Tensor],
                   may_speculate: bool = True) -> None:
         """Called from inside the compiled backward when all of ``bucket``'s gradients exist."""
         self._check_not_taken_over()
@@ -264,14 +286,13 @@ class AdamW(torch.optim.Optimizer):
                 bucket.receive(i, grad, accumulate=p.grad is not None)
                 p.grad = bucket.view(bucket.grad, i)
         bucket.note_gradients_delivered()
-        bucket.arrivals += 1
-        if bucket.arrivals == self.grad_accumulation_steps and self._sharding is not None:
-            self._sharding.start_reduce(bucket)   # in graph order: the same order on every rank
+        if bucket.gradients_arrived() == self.grad_accumulation_steps and self.sharding is not None:
+            self.sharding.start_reduce(bucket)   # in graph order: the same order on every rank
         # Only the last micro-batch's gradients are final: earlier ones just accumulate.
         if bucket.arrivals == self.grad_accumulation_steps and may_speculate:
             # ZeRO: the training thread issues the collectives in graph order and the worker thread waits for
             # them; waiting inline, between the issues, deadlocked gloo ranks (tests/test_dist_checkpoint.py).
-            if self.cpu_worker == "inline" and self._sharding is None:
+            if self.cpu_worker == "inline" and self.sharding is None:
                 self._on_bucket_complete(bucket)
             else:
                 booked_in = self.traffic_ledger.steps   # its copies are this step's, whenever they are queued
@@ -292,8 +313,8 @@ class AdamW(torch.optim.Optimizer):
         groups = self.param_groups if groups is None else groups
         start = time.perf_counter()
         bucket.wait_grads()   # CUDA: this bucket's gradient copy to the host (its event only)
-        if self._sharding is not None:
-            self._sharding.finish_reduce(bucket)   # this rank's shard of the averaged gradients
+        if self.sharding is not None:
+            self.sharding.finish_reduce(bucket)   # this rank's shard of the averaged gradients
         if not self._validating():
             # Nothing to validate: the step taken now is final unless zero_grad() discards it (a step the user
             # skipped), so the previous state is kept where the plan budgets for it: ping-pong steps into the
@@ -307,42 +328,41 @@ class AdamW(torch.optim.Optimizer):
                 bucket.swap_in_spare()
             else:
                 step_bucket(bucket, groups)
-            bucket.stepped = True
-            if self._sharding is None:   # ZeRO: only this rank's window is new; step() uploads after the gather
+            bucket.stepped_final()
+            if self.sharding is None:   # ZeRO: only this rank's window is new; step() uploads after the gather
                 bucket.upload()   # separate host master: the new weights go to the device while backward goes on
             self.events.record("step_end", bucket.index)
             return
-        spec = self._speculator
+        spec = self.speculator
         if not spec.may_speculate():
-            bucket.partial = grad_stats(bucket)
-            spec.stats.held += 1
+            bucket.learn_partial(grad_stats(bucket))
+            spec.count_held()
         elif bucket.rollback_mode == "pingpong":
             self.events.record("step_start", bucket.index)
-            bucket.partial = step_bucket(bucket, groups, into_spare=True)
-            bucket.speculated = "spare"
+            bucket.learn_partial(step_bucket(bucket, groups, into_spare=True))
+            bucket.speculated_into("spare")
             self.events.record("step_end", bucket.index)
         else:  # memory-tight: one copy of the state, undone by the algebraic inverse if needed
-            bucket.partial = grad_stats(bucket)
+            bucket.learn_partial(grad_stats(bucket))
             if not bucket.partial[1]:  # the inverse cannot undo a step that saw NaN/Inf: never take one
                 self.events.record("step_start", bucket.index)
                 step_bucket(bucket, groups)
-                bucket.speculated = "inplace"
+                bucket.speculated_into("inplace")
                 self.events.record("step_end", bucket.index)
         if bucket.speculated:
-            spec.stats.speculated += 1
-            spec.stats.seconds_speculating += time.perf_counter() - start
+            spec.count_speculated(time.perf_counter() - start)
         spec.add_partial(*bucket.partial)
 
     def held_gradient(self, p: torch.Tensor):
         """(bucket, host gradient) of ``p`` where this optimizer holds its gradient off ``.grad`` (a separate
         host master), for a training script's own clipping (optim/script_clip.py); else None. Waits for the
         CPU jobs in flight first: the worker may be stepping from these gradients."""
-        slot = self._slot.get(id(p))
+        slot = self.param_slots.get(id(p))
         if slot is None or not slot[0].mirror:
             return None
-        self._wait_pending()
+        self.wait_pending()
         bucket, i = slot
-        if self._sharding is not None and bucket.has_grad[i]:
+        if self.sharding is not None and bucket.has_grad[i]:
             raise RuntimeError(
                 "torch.nn.utils.clip_grad_norm_ / clip_grad_value_ on parameters of a ZeRO-sharded socompile.AdamW: "
                 "each rank holds only its shard of the reduced gradients. Pass max_grad_norm=... to "
@@ -352,9 +372,9 @@ class AdamW(torch.optim.Optimizer):
 
     def sharding_active(self) -> bool:
         """Whether ZeRO-style sharding splits this optimizer's buckets over ranks."""
-        return self._sharding is not None
+        return self.sharding is not None
 
-    def _wait_pending(self) -> None:
+    def wait_pending(self) -> None:
         """Wait for every CPU job in flight (and end the steps that returned before theirs ended): a kernel
         error is raised here, in the training loop, naming its bucket."""
         jobs = self.__dict__.get("_jobs")
@@ -370,7 +390,7 @@ class AdamW(torch.optim.Optimizer):
     # final (as after torch's step()) whenever a script, a scheduler or a checkpoint reads them.
     @property
     def state(self):
-        self._wait_pending()
+        self.wait_pending()
         return self.__dict__["_state"]
 
     @state.setter
@@ -394,7 +414,7 @@ class AdamW(torch.optim.Optimizer):
         the next compiled forward waits for right before its first read (``graph_waits_upload``). Every other
         bucket is waited for: validation decides over all of them; ZeRO all-gathers after the step; a
         script's own gradient change is redone in step(); an unread bucket has nobody else to wait for it."""
-        if script_changed or self._validating() or self._sharding is not None:
+        if script_changed or self._validating() or self.sharding is not None:
             return set()
         return {id(b) for b in buckets if self._jobs.running(b) and not self._jobs.has_then(b) and b.mirror
                 and b.graph_waits_upload and b.rollback_mode == "pingpong"}
@@ -406,7 +426,7 @@ class AdamW(torch.optim.Optimizer):
         commit(self, [bucket], has_grad=[end.has_grad])
         bucket.reset_iteration()
         if end.zeroed:
-            bucket.has_grad = [False] * len(bucket.params)
+            bucket.clear_gradients()
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -420,7 +440,7 @@ class AdamW(torch.optim.Optimizer):
             if self._jobs.has_then(bucket):   # a step() without a forward since the last one
                 self._jobs.wait(bucket)
         if self._has_new_trainables():
-            self._wait_pending()
+            self.wait_pending()
             self._rebuild_pool()
         buckets = self.buckets  # a fixed order, so the global norm is summed the same way every time
         script_changed = [b for b in buckets if b.script_changed_gradients()]
@@ -429,7 +449,7 @@ class AdamW(torch.optim.Optimizer):
             if id(bucket) not in later:
                 self._jobs.wait(bucket)
         if script_changed:
-            self._speculator.stats.script_changed_steps += 1
+            self.speculator.stats.script_changed_steps += 1
             undo_for_script_gradients(self, script_changed)
         settled = [b for b in buckets if id(b) not in later]
         for bucket in settled:
@@ -442,8 +462,8 @@ class AdamW(torch.optim.Optimizer):
                         "on a model whose parameters are not this optimizer's (a copy, or a module re-created "
                         "after the optimizer)? Build the optimizer from the trained model's parameters.",
                         sum(len(b.params) for b in buckets))
-        if self._sharding is not None:
-            self._sharding.reduce_remaining(buckets)
+        if self.sharding is not None:
+            self.sharding.reduce_remaining(buckets)
         if self._validating():
             validate_and_finish(self, buckets, script_changed=bool(script_changed))
         else:
@@ -456,14 +476,14 @@ class AdamW(torch.optim.Optimizer):
                 if id(bucket) in later:
                     self._step_ends[id(bucket)] = _StepEnd(has_grad=list(bucket.has_grad))
                     self._jobs.then(bucket, lambda b=bucket: self._end_step_of(b))
-            self._speculator.count_unvalidated_step()
-        if self._sharding is not None:
-            self._sharding.gather(buckets, changed=not (self._validating() and self.last_step_skipped))
-        self._upload(settled)
+            self.speculator.count_unvalidated_step()
+        if self.sharding is not None:
+            self.sharding.gather(buckets, changed=not (self._validating() and self.last_step_skipped))
+        self.upload_buckets(settled)
         for bucket in settled:
             bucket.reset_iteration()
         self.events.record("step_return")
-        self._speculator.begin_step()
+        self.speculator.begin_step()
         self.traffic_ledger.end_step()
         self.host_work_ledger.end_step()
         return loss
@@ -475,7 +495,7 @@ class AdamW(torch.optim.Optimizer):
         "gradients", "weight upload", "flow fetch", "activation offload" or "activation fetch"
         (runtime/traffic.py). The plan predicts the same dict (socompile.plan.transfers.per_step_traffic).
         Waits for the CPU jobs in flight first: an upload a job queues after ``step()`` returned is its step's."""
-        self._wait_pending()
+        self.wait_pending()
         return dict(self.traffic_ledger.last)
 
     def host_work(self) -> dict[str, tuple[int, int]]:
@@ -483,10 +503,10 @@ class AdamW(torch.optim.Optimizer):
         ``traffic()`` is), by purpose: {purpose: (read, written)}, purposes of plan/host_work.py ("adam kernel",
         "norm pass", "accumulation add", "gradient copy", "upload copy", "spare copy", "host cast", "inverse
         step"). The plan predicts the same (socompile.plan.host_work.per_step_host_work)."""
-        self._wait_pending()
+        self.wait_pending()
         return self.host_work_ledger.by_purpose()
 
-    def _upload(self, buckets: list[FlatBucket]) -> None:
+    def upload_buckets(self, buckets: list[FlatBucket]) -> None:
         """Separate host master: upload every bucket whose master still changed since its last upload (ZeRO's
         all-gather, a loaded state), then make the compute stream wait for the uploads that no compiled forward
         waits for itself (``graph_waits_upload``: passes/wait_uploads.py puts that wait right before the
@@ -505,7 +525,7 @@ class AdamW(torch.optim.Optimizer):
         it before reading stationary parameters of a compiled model outside its training graph between
         ``opt.step()`` and the next compiled forward (an eager or ``torch.no_grad()`` evaluation, a copy);
         ``materialized_weights()`` and ``model.state_dict()`` call it."""
-        self._wait_pending()   # uploads a CPU job issues after step() returned
+        self.wait_pending()   # uploads a CPU job issues after step() returned
         for bucket in self.buckets:
             bucket.wait_upload_on_compute()
 
@@ -522,10 +542,10 @@ class AdamW(torch.optim.Optimizer):
     def stats(self) -> dict:
         """Counters: steps (every step(), validated or not), skipped and clipped ones; buckets speculated,
         committed, rolled back, redone, held; steps a script changed the gradients of; time in each."""
-        return self._speculator.stats.as_dict()
+        return self.speculator.stats.as_dict()
 
     def _has_new_trainables(self) -> bool:
-        return any(id(p) not in self._slot and p.grad is not None for p in self._all_params())
+        return any(id(p) not in self.param_slots and p.grad is not None for p in self.all_params())
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -536,8 +556,8 @@ class AdamW(torch.optim.Optimizer):
         for bucket in self.buckets:
             if id(bucket) not in self._step_ends:   # a step() that returned is not discarded: no need to wait
                 self._jobs.wait(bucket)
-        if self._sharding is not None:   # ZeRO: reductions the discarded backward started are dropped too
-            self._sharding.discard(self.buckets)
+        if self.sharding is not None:   # ZeRO: reductions the discarded backward started are dropped too
+            self.sharding.discard(self.buckets)
         ended_later = []
         for bucket in self.buckets:
             end = self._step_ends.get(id(bucket))
@@ -556,13 +576,13 @@ class AdamW(torch.optim.Optimizer):
                     p.grad = None
                 else:
                     p.grad.zero_()
-            bucket.has_grad = [False] * len(bucket.params)
-        for p in self._all_params():
-            if id(p) not in self._slot and p.grad is not None:
+            bucket.clear_gradients()
+        for p in self.all_params():
+            if id(p) not in self.param_slots and p.grad is not None:
                 p.grad = None if set_to_none else p.grad.zero_()
-        self._speculator.begin_step()
+        self.speculator.begin_step()
         # separate host master: weights uploaded during backward are undone too
-        self._upload([b for b in self.buckets if all(b is not e for e in ended_later)])
+        self.upload_buckets([b for b in self.buckets if all(b is not e for e in ended_later)])
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self):
@@ -590,22 +610,22 @@ class AdamW(torch.optim.Optimizer):
         parameter holds its weights (cast from the master), e.g. to save or load the model's state dict or to
         run it eagerly; with ``pull=True`` values written into the parameters go into the master at exit.
         Stationary weights whose upload is still in flight (CUDA) are waited for first (``wait_uploads``)."""
-        self._wait_pending()
+        self.wait_pending()
         self.wait_uploads()
         with contextlib.ExitStack() as stack:
             for bucket in self.buckets:
                 stack.enter_context(bucket.materialized(pull=pull))
             yield
         if pull:
-            self._upload(self.buckets)
+            self.upload_buckets(self.buckets)
             self.wait_uploads()
 
     def __del__(self):
-        if getattr(self, "_sharding", None) is not None:   # device-side ZeRO: the model keeps no weights that are
+        if getattr(self, "sharding", None) is not None:   # device-side ZeRO: the model keeps no weights that are
             with contextlib.suppress(Exception):          # still being all-gathered (distributed/zero_gather.py)
                 self.wait_uploads()
-        if getattr(self, "_model_state", None) is not None:
-            self._model_state.remove()
+        if getattr(self, "model_state", None) is not None:
+            self.model_state.remove()
         if getattr(self, "_jobs", None) is not None:
             self._jobs.shutdown()
 

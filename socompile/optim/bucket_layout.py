@@ -27,9 +27,9 @@ def pool_buckets(opt: "AdamW") -> list[FlatBucket]:
     """Bucket every parameter no active claim holds, in reverse registration order (the usual order of
     gradients in backward): trainable ones, and frozen ones that were bucketed before (their state is
     kept, and their weights stay in place when the claim that held them goes stale)."""
-    claimed = {id(p) for b in opt._claimed_buckets() for p in b.params}
-    free = [p for p in reversed(opt._all_params()) if id(p) not in claimed
-            and (p.requires_grad or p.grad is not None or id(p) in opt._slot)]
+    claimed = {id(p) for b in opt.claimed_buckets() for p in b.params}
+    free = [p for p in reversed(opt.all_params()) if id(p) not in claimed
+            and (p.requires_grad or p.grad is not None or id(p) in opt.param_slots)]
     by_id = {id(p): p for p in free}
     groups = [names for kind in by_storage(free)
               for names in bucketize([(str(id(p)), p.numel()) for p in kind], opt.bucket_size)]
@@ -43,19 +43,19 @@ def make_buckets(opt: "AdamW", param_lists: list[list[nn.Parameter]], indices: l
                  link_dtypes: list[str] | None = None, cast_sites: list[str] | None = None) -> list[FlatBucket]:
     """Lay out ``param_lists`` as flat buckets numbered ``indices`` (with the plan's sites, flow modes, link
     dtypes and cast sites, when a compiled graph claims them): each adopts its parameters' state from wherever
-    it is, and becomes where the optimizer finds them (``opt._slot``, the moments in ``opt.state``)."""
+    it is, and becomes where the optimizer finds them (``opt.param_slots``, the moments in ``opt.state``)."""
     made, shard = [], None
-    if opt._sharding is not None:   # ZeRO: new buckets keep state for this rank's window only ...
-        shard = (opt._sharding.rank, opt._sharding.world)
+    if opt.sharding is not None:   # ZeRO: new buckets keep state for this rank's window only ...
+        shard = (opt.sharding.rank, opt.sharding.world)
         # ... and state held by other ranks under the old layout is gathered first (same order everywhere)
-        old = {id(b): b for params in param_lists for p in params if id(p) in opt._slot
-               for b in (opt._slot[id(p)][0],)
+        old = {id(b): b for params in param_lists for p in params if id(p) in opt.param_slots
+               for b in (opt.param_slots[id(p)][0],)
                if b.sharded and (any(b.steps) or b.device_shard is not None)}   # device-side: the master too
-        opt._sharding.unshard_state(list(old.values()))
+        opt.sharding.unshard_state(list(old.values()))
     for k, (index, params) in enumerate(zip(indices, param_lists)):
         runtime = None
         if opt.host_master == "separate" and params:
-            runtime = opt._runtimes.get(params[0].device, opt.runtime_kind)
+            runtime = opt.runtimes.get(params[0].device, opt.runtime_kind)
         bucket = FlatBucket(index, params, shard=shard, host_master=opt.host_master,
                             site=sites[k] if sites else "cpu", flow=bool(flow and flow[k]), runtime=runtime,
                             link_dtype=link_dtypes[k] if link_dtypes else None,
@@ -63,17 +63,17 @@ def make_buckets(opt: "AdamW", param_lists: list[list[nn.Parameter]], indices: l
                             host_ledger=opt.host_ledger, moment_dtype=opt.moment_dtype,
                             # a device-site bucket's work is the device's (on the CPU build too): not booked
                             host_work=opt.host_work_ledger if (sites[k] if sites else "cpu") == "cpu" else None)
-        bucket.adopt(opt._slot)
-        bucket.group_of = [opt._group_index[id(p)] for p in params]
-        bucket.rollback_mode = opt.rollback
+        bucket.adopt(opt.param_slots)
+        bucket.group_of = [opt.group_index[id(p)] for p in params]
+        bucket.use_rollback(opt.rollback)
         made.append(bucket)
     for bucket in made:
         for i, p in enumerate(bucket.params):
-            opt._slot[id(p)] = (bucket, i)
+            opt.param_slots[id(p)] = (bucket, i)
             if p in opt.state:
                 alias_state(bucket, i, opt.state[p])
-    if opt._sharding is not None:   # device-side ZeRO: eager forwards wait for the buckets now holding their weights
-        opt._sharding.laid_out(opt._slot)
+    if opt.sharding is not None:   # device-side ZeRO: eager forwards wait for the buckets now holding their weights
+        opt.sharding.laid_out(opt.param_slots)
     return made
 
 

@@ -103,7 +103,7 @@ class GraphClaim:
             return
         opt.events.record("forward")
         if not self.active:
-            opt._activate(self)
+            opt.activate_claim(self)
 
     def on_grads(self, bucket: int, segments: list[int], grads: list[torch.Tensor]) -> None:
         opt = self._optimizer()
@@ -112,7 +112,7 @@ class GraphClaim:
         if not self.active:   # another graph's forward took the parameters over after this graph's forward
             raise RuntimeError(BOTH_SIDES + " (Seen at backward: another compiled graph that uses the same "
                                "parameters ran its forward between this graph's forward and its backward.)")
-        opt._on_grads(self.buckets[bucket], segments, grads, may_speculate=self.early_step[bucket])
+        opt.receive_gradients(self.buckets[bucket], segments, grads, may_speculate=self.early_step[bucket])
 
     def grads_copied(self, bucket: int) -> None:
         """``socompile::grads_copied``: the graph may reuse this bucket's gradient buffers from here on; the

@@ -71,7 +71,7 @@ class ModelStateHooks:
         self._optimizer = weakref.ref(optimizer)
         self._loading: dict[int, list] = {}   # id(module): loads in progress, from the pre- to the post-hook
         self._handles = []
-        for module in _owning_modules(optimizer._all_params()):
+        for module in _owning_modules(optimizer.all_params()):
             self._handles += [
                 module.register_state_dict_post_hook(_ModuleHook(self, "state_dict_post")),
                 module.register_load_state_dict_pre_hook(_ModuleHook(self, "load_pre")),
@@ -89,7 +89,7 @@ class ModelStateHooks:
             return []
         out = []
         for name, p in module._parameters.items():
-            slot = opt._slot.get(id(p)) if p is not None else None
+            slot = opt.param_slots.get(id(p)) if p is not None else None
             if slot is None or prefix + name not in keys:
                 continue
             bucket, i = slot
@@ -106,7 +106,7 @@ class ModelStateHooks:
         a collective, so every rank of the group calls ``model.state_dict()``, in the same order."""
         own = self._own(module, prefix, state_dict)
         if own:
-            self._optimizer()._wait_pending()   # a CPU job step() did not wait for may still upload its weights
+            self._optimizer().wait_pending()   # a CPU job step() did not wait for may still upload its weights
         gathered = _sharded_flow_buckets(own)
         for bucket in gathered:
             with bucket.materialized():
@@ -135,7 +135,7 @@ class ModelStateHooks:
                 "master would replace the parameters, which are views of the optimizer's device buffers. Load "
                 "without assign=True (the values are copied into the host master and the device copy), or use "
                 "socompile.load(path, model, opt).")
-        self._optimizer()._wait_pending()
+        self._optimizer().wait_pending()
         loading = []
         for key, p, bucket, i in own:
             held = None

@@ -6,7 +6,7 @@ optimizer until one is built for it.
 
 NOTE: takeover. A parameter belongs to one socompile optimizer at a time, and the newest one wins: building a
 second ``socompile.AdamW`` over a parameter (re-running a notebook cell, re-creating the optimizer after loading
-a checkpoint) takes it over from the first, which then refuses to be used (``hand_over``). Compiled
+a checkpoint) takes it over from the first, which then refuses to be used (``AdamW.hand_over``). Compiled
 graphs are bound to the optimizer that owned their parameters when they were compiled; they compare
 ``ownership_token`` to notice a change of owner and compile again for the new one (socompile/per_model.py).
 """
@@ -60,7 +60,7 @@ def previous_owners(params, optimizer) -> list:
 
 def set_owner(param: torch.Tensor, optimizer) -> None:
     """Make ``optimizer`` the owner of ``param``. A previous owner must have handed it over first
-    (``hand_over``): a parameter belongs to one socompile optimizer at a time."""
+    (``AdamW.hand_over``): a parameter belongs to one socompile optimizer at a time."""
     setattr(param, _ATTR, OwnerRef(optimizer))
 
 
@@ -68,19 +68,3 @@ def release(param: torch.Tensor, optimizer) -> None:
     """``param`` no longer belongs to ``optimizer`` (if it still did): it has no owner until one is built."""
     if owner_of(param) is optimizer:
         setattr(param, _ATTR, None)
-
-
-def hand_over(optimizer: "AdamW") -> None:
-    """A newer socompile.AdamW was built over (some of) this optimizer's parameters and takes them over.
-    This one gives all its parameters back to the model as they are now (the step in flight finished, flow
-    weights filled for good, the model's state-dict hooks removed, no owner) and refuses any further use."""
-    optimizer._wait_pending()
-    optimizer.wait_uploads()
-    for bucket in optimizer.buckets:
-        bucket.keep_weights()
-    if optimizer._model_state is not None:
-        optimizer._model_state.remove()
-        optimizer._model_state = None
-    for p in optimizer._all_params():
-        release(p, optimizer)
-    optimizer._taken_over = True

@@ -104,7 +104,7 @@ def _check_step(source: str, label: str, step) -> None:
 
 def save(opt: "AdamW") -> dict:
     """The body of ``AdamW.state_dict`` (see there)."""
-    opt._wait_pending()
+    opt.wait_pending()
     if any(b.sharded for b in opt.buckets):
         raise RuntimeError("state_dict() of a ZeRO-sharded socompile.AdamW: this rank holds only its shards "
                            "of exp_avg/exp_avg_sq. Save with socompile.distributed.save(dir, model, opt) "
@@ -114,7 +114,7 @@ def save(opt: "AdamW") -> dict:
     # Read the buckets' *current* buffers: a ping-pong commit swaps them, so views taken earlier may point
     # at the spare. The step count lives in the bucket too.
     for p, state in opt.state.items():
-        slot = opt._slot.get(id(p))
+        slot = opt.param_slots.get(id(p))
         if slot is None or "step" not in state:
             continue
         bucket, i = slot
@@ -134,7 +134,7 @@ def save(opt: "AdamW") -> dict:
 
 def load(opt: "AdamW", state_dict, checked: bool = False) -> None:
     """The body of ``AdamW.load_state_dict`` (see there)."""
-    opt._wait_pending()
+    opt.wait_pending()
     if not checked:   # before anything changes: a refused state loses nothing
         check_state_dict(state_dict, opt.param_groups)
     groups = []
@@ -161,7 +161,7 @@ def load(opt: "AdamW", state_dict, checked: bool = False) -> None:
     saved_ids = [k for group in state_dict["param_groups"] for k in group["params"]]
     raw = {}    # the saved moments as saved: torch's loader cast them to the parameter's dtype (bf16)
     for key, p in zip(saved_ids, order):
-        slot = opt._slot.get(id(p))
+        slot = opt.param_slots.get(id(p))
         if key in masters and slot is not None and slot[0].mirror:
             bucket, i = slot
             bucket.view(bucket.master, i).copy_(masters[key].reshape(p.shape))
@@ -187,5 +187,5 @@ def load(opt: "AdamW", state_dict, checked: bool = False) -> None:
             alias_state(bucket, i, state)
             bucket.steps[i] = int(float(state["step"]))
             state["step"] = torch.tensor(float(bucket.steps[i]), dtype=torch.float32)
-    opt._upload(opt.buckets)
+    opt.upload_buckets(opt.buckets)
     opt.wait_uploads()

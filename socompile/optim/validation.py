@@ -36,14 +36,14 @@ def validate_and_finish(opt: "AdamW", buckets: list[FlatBucket], script_changed:
     gradients after backward (``undo_for_script_gradients`` ran); its gradients are used as it left them, and
     ``max_grad_norm`` is not applied on top, so that clipping happens once (the script's, as torch would)."""
     start = time.perf_counter()
-    spec = opt._speculator
+    spec = opt.speculator
     total, nonfinite = 0.0, False
     for bucket in buckets:
         if bucket.partial is None:
-            bucket.partial = grad_stats(bucket)
+            bucket.learn_partial(grad_stats(bucket))
         total, nonfinite = total + bucket.partial[0], nonfinite or bucket.partial[1]
-    if opt._sharding is not None:   # partials cover this rank's shards: every rank must decide alike
-        total, nonfinite = opt._sharding.global_stats(total, nonfinite)
+    if opt.sharding is not None:   # partials cover this rank's shards: every rank must decide alike
+        total, nonfinite = opt.sharding.global_stats(total, nonfinite)
     norm = math.sqrt(total) if not nonfinite and math.isfinite(total) else float("nan")
     opt.last_grad_norm = norm
     speculated = [b for b in buckets if b.speculated]
@@ -85,8 +85,8 @@ def roll_back(opt: "AdamW", bucket: FlatBucket) -> None:
     if bucket.speculated == "inplace":
         rollback_inplace(bucket, opt.param_groups, grad_scale=1.0)
     # "spare": the current state was never written; dropping the spare is the rollback.
-    bucket.speculated = None
-    opt._speculator.stats.rolled_back += 1
+    bucket.speculated_into(None)
+    opt.speculator.stats.rolled_back += 1
     opt.events.record("rollback", bucket.index)
 
 
@@ -156,10 +156,10 @@ def undo_for_script_gradients(opt: "AdamW", buckets: list[FlatBucket]) -> None:
             roll_back(opt, bucket)
         elif bucket.stepped:
             bucket.swap_in_spare()   # the spare holds the state before backward's step, whole
-            bucket.stepped = False
+            bucket.stepped_final(False)
             opt.events.record("rollback", bucket.index)
         bucket.take_script_gradients()
-        bucket.partial = None   # the norm partial is taken again, of the script's gradients
+        bucket.learn_partial(None)   # the norm partial is taken again, of the script's gradients
     opt.events.record("script_gradients")
 
 
@@ -167,13 +167,13 @@ def step_now(opt: "AdamW", bucket: FlatBucket, grad_scale: float) -> None:
     """Step ``bucket`` now, final (no speculation: validated already, or nothing to validate)."""
     opt.events.record("step_start", bucket.index)
     step_bucket(bucket, opt.param_groups, grad_scale)
-    bucket.stepped = True
+    bucket.stepped_final()
     opt.events.record("step_end", bucket.index)
 
 
 def upload_final(opt: "AdamW", bucket: FlatBucket) -> None:
     """Separate host master: upload ``bucket`` as soon as its step is final (committed, redone, stepped
     now, rolled back by the inverse), so its copy overlaps the rest of ``step()`` and the next forward.
-    ZeRO: not yet; only this rank's window is new until the all-gather (``_upload`` after it)."""
-    if bucket.dirty and opt._sharding is None:
+    ZeRO: not yet; only this rank's window is new until the all-gather (``upload_buckets`` after it)."""
+    if bucket.dirty and opt.sharding is None:
         bucket.upload()

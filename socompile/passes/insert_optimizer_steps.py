@@ -67,7 +67,7 @@ def _grads_copied_async(ctx) -> bool:
     if ctx.claim_handle < 0:   # graphs for reading (offline plans, tests): no optimizer, nothing is copied
         return False
     claim = handles.lookup(ctx.claim_handle)
-    return any(b._cuda_host() for b in getattr(claim, "buckets", ()))
+    return any(b.async_host_copies() for b in getattr(claim, "buckets", ()))
 
 
 def _keep_grads_until_copied(gm: fx.GraphModule, ctx) -> None:

@@ -63,6 +63,5 @@ def wait_uploads(gm: fx.GraphModule, plan, ctx) -> fx.GraphModule:
         node.meta["socompile"] = {"pass": PASS_NAME,
                                   "why": f"bucket {b.index} ({b.layers}) is stationary with a separate host master: "
                                          f"its updated weights must have arrived before this first read"}
-        flat.graph_waits_upload = True
-        flat.fw_rank = rank
+        flat.read_first_by_graph(rank)
     return gm

@@ -294,6 +294,35 @@ class FlatBucket(HostMasterCopies):
             mine.copy_(t[lo:hi])
         self.state_lo, self.spare = lo, None
 
+    def take_device_shard(self, shard, *, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                          exp_avg_sq: torch.Tensor, weights: torch.Tensor | None) -> None:
+        """Device-side ZeRO (runtime/sharded_bucket.py narrow_to_device_shard): from now on this bucket holds its
+        chunk's host buffers and ``shard`` (a DeviceShard) its device ones; ``weights``, when not None (stationary),
+        the device weights padded to world chunks, which the parameters are re-pointed into. The stages, the spare
+        and the cached views of the whole buffers are dropped (re-made for the chunk on use)."""
+        self.master, self.grad, self.exp_avg, self.exp_avg_sq = master, grad, exp_avg, exp_avg_sq
+        if weights is not None:
+            self.weights = weights
+            for i, p in enumerate(self.params):
+                p.data = self._shaped(weights, i)
+        self.spare, self._stage16, self._stage_acc = None, None, None
+        self._pending_adds.clear()
+        self._views.clear()
+        lo = shard.lo
+        self.window, self.state_lo, self.host_lo = (lo, shard.hi), lo, lo
+        self.low_stale()   # the shard's bf16 stage is new: cast from the master at its first upload
+        self.device_shard = shard
+
+    def drop_device_shard(self, *, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                          exp_avg_sq: torch.Tensor) -> None:
+        """Undo ``take_device_shard`` with whole buffers (gathered from every rank); the caller closes the shard."""
+        self.master, self.exp_avg, self.exp_avg_sq, self.grad = master, exp_avg, exp_avg_sq, grad
+        self.weights = self.weights[:self.numel]
+        self.spare, self._stage16 = None, None
+        self._views.clear()
+        self.window, self.state_lo, self.host_lo, self.rank_world = None, 0, 0, (0, 1)
+        self.device_shard = None
+
     def unshard(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """Undo ``shard`` (host path) with the whole moments gathered from every rank (a new bucket layout adopts
         from them: ZeroSharding.unshard_state); the spare is re-made whole on use."""
@@ -497,6 +526,38 @@ class FlatBucket(HostMasterCopies):
                 view.copy_(p.grad)   # ``.grad`` stays the script's tensor, as in gather_eager_grads
         self._grad_version = self.grad._version
         self._script_changed = False
+
+    # ---- the iteration's state: which gradients arrived, what was stepped or speculated, the norm partial
+    def gradients_arrived(self) -> int:
+        """Backward delivered this bucket's gradients once more (a micro-batch); returns how often since the step."""
+        self.arrivals += 1
+        return self.arrivals
+
+    def stepped_final(self, final: bool = True) -> None:
+        """The bucket's step of this iteration is final (``False``: undone, as a script's own clip asks)."""
+        self.stepped = final
+
+    def speculated_into(self, where: str | None) -> None:
+        """A speculative step wrote "spare" or "inplace"; None: there is none (rolled back, or not taken)."""
+        self.speculated = where
+
+    def learn_partial(self, partial: tuple[float, bool] | None) -> None:
+        """This iteration's (sum of squared gradients, any non-finite), once known; None: to be taken again."""
+        self.partial = partial
+
+    def clear_gradients(self) -> None:
+        """No parameter of the bucket holds a gradient (``zero_grad``)."""
+        self.has_grad = [False] * len(self.params)
+
+    def use_rollback(self, mode: str) -> None:
+        """How a speculative step is undone: "pingpong" (the spare, exact) or "inverse" (the kernel's inverse)."""
+        if mode not in ("pingpong", "inverse"):
+            raise ValueError(f"rollback must be 'pingpong' or 'inverse', got {mode!r}")
+        self.rollback_mode = mode
+
+    def use_kernel_threads(self, threads: int | None) -> None:
+        """OpenMP threads of the CPU kernel for this bucket (option optimizer_threads; None: the default)."""
+        self.kernel_threads = threads
 
     def reset_iteration(self) -> None:
         self._grad_version = None

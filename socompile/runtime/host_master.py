@@ -123,7 +123,7 @@ class HostMasterCopies:
         device_cast = self.cast_site == "device" and not self.flow and self.site == "cpu"
         return self.mirror and (self.dtype not in HALF_WEIGHTS or device_cast)
 
-    def _cuda_host(self) -> bool:
+    def async_host_copies(self) -> bool:
         """Host buffers that the runtime's copy streams read or write asynchronously (pinned)."""
         return self.mirror and self.site == "cpu" and self.runtime is not None and self.runtime.kind == "cuda"
 
@@ -254,8 +254,7 @@ class HostMasterCopies:
             self._sync_stage16()
             src = self._stage16
         h2d = self._h2d_after_grads(rt)
-        self.upload_event = rt.copy_async(self.weights, src, h2d)
-        self._upload_waited = False
+        self.upload_issued(rt.copy_async(self.weights, src, h2d), compute_waits=False)
 
     def _h2d_after_grads(self, rt):
         h2d = rt.stream("h2d")
@@ -279,9 +278,27 @@ class HostMasterCopies:
             return
         h2d = self._h2d_after_grads(rt)
         rt.copy_async(staging, self.master, h2d)
-        self.upload_event = rt.copy_async(self.weights, staging, h2d)   # after the copy: one stream
+        self.upload_issued(rt.copy_async(self.weights, staging, h2d), compute_waits=False)   # after the copy
         self.upload_staging.used(slot, self.upload_event)
-        self._upload_waited = False
+
+    def read_first_by_graph(self, rank: int) -> None:
+        """A compiled forward waits for this bucket's upload before its first read (passes/wait_uploads.py), the
+        ``rank``-th bucket it reads: uploads are issued in that order (``upload_order``)."""
+        self.graph_waits_upload, self.fw_rank = True, rank
+
+    def gradients_landing(self, event) -> None:
+        """A copy into the host ``grad`` was issued as ``event`` (device-side ZeRO's reduced shard);
+        ``wait_grads`` waits for it."""
+        self.grad_event = event
+
+    def weights_current(self) -> None:
+        """The device weights hold the current master (an upload of it was issued)."""
+        self.dirty = False
+
+    def upload_issued(self, event, compute_waits: bool) -> None:
+        """An upload of this bucket's weights (or its shard) was issued as ``event``; ``compute_waits``: the
+        compute stream was already told to wait for it."""
+        self.upload_event, self._upload_waited = event, compute_waits
 
     @property
     def upload_pending(self) -> bool:
@@ -348,7 +365,7 @@ class HostMasterCopies:
         self.before_host_write()
         if self.device_shard is not None:   # device-side ZeRO: the parts in this rank's window only
             for i in range(len(self.params)) if segments is None else segments:
-                self._load_segment_window(i, self.view(self.weights, i))
+                self.load_segment_window(i, self.view(self.weights, i))
             return
         for i in range(len(self.params)) if segments is None else segments:
             seg = self.segment(i)
@@ -360,12 +377,12 @@ class HostMasterCopies:
         by ``model.load_state_dict``; the copies of the master are made again (``master_changed``)."""
         self.before_host_write()
         if self.device_shard is not None:   # device-side ZeRO: the part of the parameter in this rank's window
-            self._load_segment_window(i, value)
+            self.load_segment_window(i, value)
             return
         self.view(self.master, i).copy_(value.detach().reshape(self.params[i].shape))
         self.master_changed()
 
-    def _load_segment_window(self, i: int, value: torch.Tensor) -> None:
+    def load_segment_window(self, i: int, value: torch.Tensor) -> None:
         lo, hi = self.window
         start, end = max(self.offsets[i], lo), min(self.offsets[i] + self.sizes[i], hi)
         if end > start:
@@ -387,10 +404,10 @@ class HostMasterCopies:
             self.device_shard.receive(self, segments, grads, accumulate)
             return
         remote = [g.device for g in grads if g.device != self.grad.device]
-        if remote and not self._cuda_host():
+        if remote and not self.async_host_copies():
             raise RuntimeError(f"socompile: bucket {self.index} got a gradient on {remote[0]} but has no CUDA "
                                f"runtime to copy it to the host; this is a bug")
-        if self._cuda_host():
+        if self.async_host_copies():
             self.wait_grads()                  # a staged micro-batch is added before its stage is reused
             pairs = []
             for i, g in zip(segments, grads):
@@ -424,7 +441,7 @@ class HostMasterCopies:
     def wait_grads_on_compute(self) -> None:
         """The compute stream waits (no host block on CUDA) for the gradient copy, before the graph reuses the
         gradients' memory (``socompile::grads_copied``)."""
-        if self.grad_event is not None and self._cuda_host():
+        if self.grad_event is not None and self.async_host_copies():
             self.runtime.wait_on_compute(self.grad_event)
 
     def wait_grads(self) -> None:

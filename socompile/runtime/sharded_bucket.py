@@ -177,7 +177,7 @@ class DeviceShard:
         if reduced.dtype != bucket.grad.dtype:   # fp16: cast to the fp32 landing dtype here, on the device, so
             reduced = reduced.to(bucket.grad.dtype)   # what crosses is what lands (dtypes.gradient_link_name)
         rt = self.runtime
-        bucket.grad_event = rt.copy_async(bucket.grad, reduced, rt.stream("d2h"))
+        bucket.gradients_landing(rt.copy_async(bucket.grad, reduced, rt.stream("d2h")))
         bucket.traffic.add_copy("d2h", GRADIENT_LINK, reduced)   # opt.traffic(): plan/transfers.py counts it
 
     # ------------------------------------------------------------------- weights
@@ -200,8 +200,8 @@ class DeviceShard:
         event = rt.copy_async(self.shard_buffer, self.host_source(bucket, self.dtype), rt.stream("h2d"))
         bucket.traffic.add_copy("h2d", WEIGHT_UPLOAD, self.shard_buffer)
         rt.wait_on_compute(event)
-        bucket.upload_event, bucket._upload_waited = event, True
-        bucket.dirty = False
+        bucket.upload_issued(event, compute_waits=True)
+        bucket.weights_current()
 
     def host_source(self, bucket, dtype: torch.dtype) -> torch.Tensor:
         """What an upload of the shard in ``dtype`` reads: bf16, the pinned bf16 stage of the master shard (cast on
@@ -225,7 +225,7 @@ class DeviceShard:
         rt = self.runtime
         event = rt.copy_async(mine, src, rt.stream("h2d"))
         bucket.traffic.add_copy("h2d", FLOW_FETCH, mine)
-        bucket.upload_event, bucket._upload_waited = event, True
+        bucket.upload_issued(event, compute_waits=True)
         return mine, event
 
     def refresh_window(self, bucket) -> None:
@@ -234,7 +234,7 @@ class DeviceShard:
         A flow bucket has no device weights to refresh: its next fetch reads the master (the stage is re-cast)."""
         if self.flow:
             bucket.master_changed()
-            bucket.dirty = False
+            bucket.weights_current()
             return
         self.upload_shard(bucket)
         bucket.weights[self.lo:self.hi].copy_(self.shard_buffer[:self.hi - self.lo])
@@ -268,22 +268,15 @@ def narrow_to_device_shard(bucket, rank: int, world: int) -> None:
 
     # whole until now; the master is read by the shard's upload only when the weights are not bf16 (bf16 weights
     # go up from the pinned bf16 stage, cast on the host: this path's one cast site)
-    bucket.exp_avg, bucket.exp_avg_sq = cut(bucket.exp_avg, EXP_AVG_BUFFER), cut(bucket.exp_avg_sq, EXP_AVG_SQ_BUFFER)
-    bucket.master = cut(bucket.master, MASTER_BUFFER)
-    bucket.grad = bucket.make_buffer(GRAD_BUFFER)   # the device reduces in the weights' dtype
+    weights = None
     if not bucket.flow:   # a flow bucket's weights hold nothing between uses: its fetches gather whole windows
         weights = bucket.runtime.empty(shard.padded, bucket.dtype)
         weights[:bucket.numel].copy_(bucket.weights)
         weights[bucket.numel:].zero_()
-        bucket.weights = weights
-        for i, p in enumerate(bucket.params):
-            p.data = bucket._shaped(weights, i)
-    bucket.spare, bucket._stage16, bucket._stage_acc = None, None, None
-    bucket._pending_adds.clear()
-    bucket._views.clear()
-    bucket.window, bucket.state_lo, bucket.host_lo = (lo, hi), lo, lo
-    bucket.low_stale()   # the shard's bf16 stage is new: cast from the master at its first upload
-    bucket.device_shard = shard
+    bucket.take_device_shard(shard, master=cut(bucket.master, MASTER_BUFFER),
+                             grad=bucket.make_buffer(GRAD_BUFFER),   # the device reduces in the weights' dtype
+                             exp_avg=cut(bucket.exp_avg, EXP_AVG_BUFFER),
+                             exp_avg_sq=cut(bucket.exp_avg_sq, EXP_AVG_SQ_BUFFER), weights=weights)
 
 
 def widen_from_gathered(bucket, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
@@ -294,10 +287,5 @@ def widen_from_gathered(bucket, master: torch.Tensor, exp_avg: torch.Tensor, exp
     grad = torch.zeros(n, dtype=bucket.state_dtype)
     if any(bucket.has_grad) and bucket.arrivals > 0 and shard.grads is not None:
         grad.copy_(shard.grads[:n])
-    bucket.master, bucket.exp_avg, bucket.exp_avg_sq, bucket.grad = master[:n], exp_avg[:n], exp_avg_sq[:n], grad
-    bucket.weights = bucket.weights[:n]
-    bucket.spare, bucket._stage16 = None, None
-    bucket._views.clear()
-    bucket.window, bucket.state_lo, bucket.host_lo, bucket.rank_world = None, 0, 0, (0, 1)
+    bucket.drop_device_shard(master=master[:n], grad=grad, exp_avg=exp_avg[:n], exp_avg_sq=exp_avg_sq[:n])
     shard.close()
-    bucket.device_shard = None

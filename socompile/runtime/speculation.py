@@ -75,6 +75,15 @@ class Speculator:
         if self.max_grad_norm is not None and not self.nonfinite:
             self.clipping_certain = math.sqrt(self.partial_sumsq) + CLIP_EPS > self.max_grad_norm
 
+    def count_held(self) -> None:
+        """A bucket's step was held back (clipping is predicted): it is taken once the step is validated."""
+        self.stats.held += 1
+
+    def count_speculated(self, seconds: float) -> None:
+        """A bucket was stepped speculatively, taking ``seconds`` of the worker."""
+        self.stats.speculated += 1
+        self.stats.seconds_speculating += seconds
+
     def count_unvalidated_step(self) -> None:
         """A step with nothing to validate (no max_grad_norm, no skip-on-overflow): counted like any other."""
         self.stats.steps += 1
