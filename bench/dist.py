@@ -176,11 +176,9 @@ def simulated_row(world: int = 8, seq: int = 1 << 20, preset: str = "llama-13b")
     gh200 (bf16 on the links)."""
     from socompile.models import build
     from socompile.offline import plan_model
-    from socompile.hardware import get_profile
-    from socompile.plan.planner import plan_with_details
     ctx = plan_model(lambda: build(preset, max_seq_len=seq), batch=1, seq=seq,
                      options={"target": "gh200", "sp_degree": world}, dtype=torch.bfloat16, run_passes=False)
-    d = plan_with_details(ctx.ir, get_profile("gh200"), ctx.options)
+    d = ctx.plan_details   # the planning plan_model did
     p, sim = d.plan, d.simulation
     return {"ulysses": p.prediction("comm_ulysses_bytes"), "zero": p.prediction("comm_zero_bytes"),
             "busy_s": p.prediction("comm_busy_s"), "exposed_s": p.prediction("comm_exposed_s"),

@@ -36,7 +36,7 @@ def details(model: str, seq: int, batch: int, target: str = "gh200", **opts):
     factory = (lambda: build(model, max_seq_len=seq)) if seq > PRESETS[model].max_seq_len else model
     ctx = plan_model(factory, batch=batch, seq=seq, options={"target": target, **opts}, dtype=torch.bfloat16,
                      run_passes=False)
-    return ctx, plan_with_details(ctx.ir, get_profile(target), Options(target=target, **opts))
+    return ctx, ctx.plan_details   # the planning plan_model did
 
 
 def _layer_mix(p) -> str:

@@ -47,13 +47,11 @@ def simulated(model: str, seq: int, batch: int, target: str, rates: list[float])
     import torch as _torch
 
     from socompile.offline import plan_model
-    from socompile.plan import get_profile
-    from socompile.plan.planner import plan_with_details
     from socompile.perf.simulate import simulate
 
     ctx = plan_model(model, batch=batch, seq=seq, options={"target": target}, dtype=_torch.bfloat16,
                      run_passes=False)
-    details = plan_with_details(ctx.ir, get_profile(target), ctx.options)
+    details = ctx.plan_details   # the planning plan_model did
     times = {mode: simulate(details.plan, details.costs, details.cost, speculation=mode).step_time
              for mode in ("on", "off", "redo")}
     print(f"\nsimulated on {target}: {model}, seq {seq}, batch {batch}; step seconds with speculation "

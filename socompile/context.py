@@ -29,6 +29,7 @@ class CompileContext:
     # --- capture and plan (pipeline: capture, plan, activation layout)
     ir: Any = None              # capture.ir.IR of the graphs that run (rebuilt after a recompute re-partition)
     plan: Any = None            # plan.Plan, made once per compile (re-anchored on the new IR after a re-partition)
+    plan_details: Any = None    # plan.planner.PlanDetails of that one planning (its simulations, for reports)
     activation_recomputed: dict[str, int] = dataclasses.field(default_factory=dict)   # layer -> fw nodes tagged
     forward_graph: Any = None   # fx.GraphModule: the forward as it stands (after the passes: as it runs)
     backward_graph: Any = None

@@ -95,9 +95,10 @@ def plan_once(ctx: CompileContext) -> None:
     """The plan of this compile: every decision, the per-layer activations (options.activation_layers pins some)
     and every prefetch distance included. The only call of the planner in a compile."""
     from .calibrate import profile_for_target
-    from .plan import plan
+    from .plan.planner import plan_with_details
     with timed("plan"):
-        ctx.plan = plan(ctx.ir, profile_for_target(ctx.options.target), planning_options(ctx))
+        ctx.plan_details = plan_with_details(ctx.ir, profile_for_target(ctx.options.target), planning_options(ctx))
+        ctx.plan = ctx.plan_details.plan
 
 
 def planning_options(ctx: CompileContext):

@@ -9,6 +9,7 @@ Each ``cmd_*`` takes argv (without the sub-command name) and returns an exit sta
 """
 from __future__ import annotations
 
+import dataclasses
 import argparse
 import pathlib
 import resource
@@ -102,9 +103,9 @@ def _target_for_nodes(args) -> str:
 
 
 def _details(ctx):
-    from ..hardware import get_profile
-    from ..plan.planner import plan_with_details
-    return plan_with_details(ctx.ir, get_profile(ctx.options.target), ctx.options)
+    """The planner's details of the compile's own planning (the pipeline keeps them: nothing plans twice), for
+    the plan the compile made (re-anchored on the final graphs)."""
+    return dataclasses.replace(ctx.plan_details, plan=ctx.plan)
 
 
 def cmd_plan(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """Decision 3 of the planner: per repeated layer, keep, recompute (the whole layer, or "selective": all but its
 attention kernels, whose outputs are kept) or offload its saved activations (docs/planner.md,
-docs/activations.md). ``_activation_policy`` sets ``ctx.choices``, ``ctx.activations`` and ``ctx.offloaded_bytes``
-and writes its decision line."""
+docs/activations.md). ``_activation_policy`` returns the search state with the layers' choices, their
+activation bytes and offloaded bytes (a new one: the caller's is not changed), and writes its decision line."""
 from __future__ import annotations
 
 import dataclasses
@@ -84,9 +84,10 @@ def _activation_room(ctx: _Context, base) -> tuple[float, float]:
     return ctx.budget - fixed, _host_room(ctx, base)
 
 
-def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
-    """Per repeated layer: keep, recompute, selective, selective_offload or offload its saved activations (sets
-    ctx.choices, ctx.activations, ctx.offloaded_bytes; returns Plan.recompute).
+def _activation_policy(ctx: _Context, base, decisions: list[str]) -> tuple[_Context, str]:
+    """Per repeated layer: keep, recompute, selective, selective_offload or offload its saved activations.
+    Returns (``ctx`` with ``choices``, ``activations``, ``activations_expr`` and ``offloaded_bytes`` of those
+    choices, Plan.recompute): "none" (every layer keeps; ``ctx`` as given) or "layers".
 
     Memory (per rank): activations = peak - sum(saved of non-kept layers) + sum(input of recomputed and
     selective layers) + sum(attention outputs of selective layers) + the largest non-kept layer's saved tensors
@@ -103,7 +104,7 @@ def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
     if not layers:
         if forced in ("recompute", "selective", X, "offload"):
             decisions.append(f"activations: {forced} requested but the graph has no repeated layers; kept")
-        return "none"
+        return ctx, "none"
     available, room = _activation_room(ctx, base)
     lcosts = _layer_costs(ctx, layers)
     simulated = ""
@@ -118,11 +119,11 @@ def _activation_policy(ctx: _Context, base, decisions: list[str]) -> str:
     if all(c == "keep" for c in chosen.values()):
         if forced == "keep":
             decisions.append("activations: every layer keeps its activations (options.activations='keep')")
-        return "none"
-    ctx.activations, ctx.activations_expr, ctx.offloaded_bytes = act, expr, offloaded
-    ctx.choices = tuple((lc.name, chosen[lc.name]) for lc in layers)
+        return ctx, "none"
+    ctx = dataclasses.replace(ctx, activations=act, activations_expr=expr, offloaded_bytes=offloaded,
+                              choices=tuple((lc.name, chosen[lc.name]) for lc in layers))
     decisions.append(_activation_line(ctx, layers, chosen, lcosts, available, room, forced, simulated))
-    return "layers"
+    return ctx, "layers"
 
 
 def _pinned_choices(ctx: _Context, layers: list) -> dict[str, str]:

@@ -25,7 +25,6 @@ Decisions, in this order (each reads the cost model; docs/planner.md explains th
 from __future__ import annotations
 
 import dataclasses
-import gc
 
 from ..capture.ir import IR
 from ..dtypes import dtype_bytes, gradient_link_name, weights_name
@@ -94,16 +93,10 @@ def plan(ir: IR, hw: HardwareProfile, options: Options, shapes: dict[str, int] |
 
 def plan_with_details(ir: IR, hw: HardwareProfile, options: Options,
                       shapes: dict[str, int] | None = None, activations: tuple | None = None) -> PlanDetails:
-    # NOTE: the simulator allocates ~10^5 small objects per candidate while the traced IR holds millions; with
-    # the cyclic GC on, every few thousand allocations re-scan that heap (a third of the planning time on a
-    # 7B graph). The planner creates no cycles worth collecting: pause the collector while it runs.
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return _plan_with_details(ir, hw, options, shapes, activations)
-    finally:
-        if enabled:
-            gc.enable()
+    """``plan`` with what the planner computed on the way (the simulations of the chosen plan and of the
+    ZeRO-Offload schedule, the cost model): a compile keeps them (CompileContext.plan_details), so reports and
+    the simulator read them instead of planning again. Changes nothing outside its own objects."""
+    return _plan_with_details(ir, hw, options, shapes, activations)
 
 
 def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, activations) -> PlanDetails:
@@ -122,8 +115,8 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
     budget = float(options.device_memory_budget if options.device_memory_budget is not None
                    else hw.device_memory - hw.device_reserved)
     template = _Context(ir, hw, options, cost, costs, weight_bytes, budget, unopt_numel, costs.activation_peak,
-                        costs.activation_peak_expr, world=world, dp=dp, sp=sp, weight_dtype=weight_dtype)
-    template.pinned_choices = tuple(activations) if activations is not None else None
+                        costs.activation_peak_expr, world=world, dp=dp, sp=sp, weight_dtype=weight_dtype,
+                        pinned_choices=tuple(activations) if activations is not None else None)
     decisions: list[str] = []
     if world > 1:
         decisions.append(_parallel_line(template))
@@ -246,7 +239,7 @@ def _fitting_buckets(template: _Context, order: list[str], decisions: list[str])
         ctx = dataclasses.replace(template, options=dataclasses.replace(template.options, bucket_size=size))
         lines: list[str] = []
         base = _base_buckets(ctx.ir, order, size, ctx, lines)
-        recompute = _activation_policy(ctx, base, lines)
+        ctx, recompute = _activation_policy(ctx, base, lines)
         minimum = _min_device(ctx, base)
         if minimum.device_peak <= ctx.budget:
             if floors:   # the default did not fit (no line otherwise: the presets' plans stay byte-identical)

@@ -23,7 +23,7 @@ class PlanError(ValueError):
     """No plan fits; the message names the minimum memory and what to change."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)   # a candidate changes by dataclasses.replace: no search step edits another's
 class _Context:
     ir: IR
     hw: HardwareProfile
