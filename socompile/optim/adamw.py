@@ -40,7 +40,7 @@ from ..runtime.flat_bucket import FlatBucket, real_dtype
 from ..runtime.host_master import upload_order
 from ..runtime.memory import HostLedger
 from ..runtime.speculation import Speculator
-from ..runtime.traffic import HostWorkLedger, TrafficLedger
+from ..runtime.traffic import HostBlockLedger, HostWorkLedger, TrafficLedger
 from ..runtime.worker import BucketJobs
 from . import state_dict as optimizer_state
 from .bucket_layout import make_buckets, pool_buckets
@@ -110,9 +110,10 @@ class AdamW(torch.optim.Optimizer):
         self.events = EventLog()
         self.traffic_ledger = TrafficLedger()   # bytes its copies move over the link, per step (``traffic()``)
         self.host_work_ledger = HostWorkLedger()   # bytes the host CPU reads and writes, per step (``host_work()``)
+        self.host_block_ledger = HostBlockLedger()   # where host threads wait on the device or worker (``host_blocks()``)
         self.last_grad_norm: float | None = None
         self.last_step_skipped = False
-        self._jobs = BucketJobs()   # the CPU worker's bucket jobs in flight (its steps, and the ends step() left)
+        self._jobs = BucketJobs(self.host_block_ledger)   # the CPU worker's bucket jobs in flight (its steps, and the ends step() left)
         self._step_ends: dict[int, _StepEnd] = {}   # id(bucket): a step() that returned before its job ended
         self._claims = Claims()
         self.param_slots: dict[int, tuple[FlatBucket, int]] = {}
@@ -271,7 +272,7 @@ class AdamW(torch.optim.Optimizer):
         """Called from inside the compiled backward when all of ``bucket``'s gradients exist."""
         self._check_not_taken_over()
         if self._jobs.has_then(bucket):   # the end of the last step() is still with the bucket's job: end it first
-            self._jobs.wait(bucket)
+            self._jobs.wait(bucket, "backward: the end of the last step")
         if bucket.arrivals >= self.grad_accumulation_steps:
             raise RuntimeError(f"backward ran {bucket.arrivals + 1} times before opt.step(), but the socompile "
                                f"optimizer expects {self.grad_accumulation_steps}. Call opt.step() after each "
@@ -302,7 +303,8 @@ class AdamW(torch.optim.Optimizer):
 
     def _booked_in(self, step: int, fn):
         """Run ``fn`` (a CPU job) with its link copies and host-CPU passes booked in step ``step``."""
-        return self.traffic_ledger.booking(step, lambda: self.host_work_ledger.booking(step, fn))
+        return self.traffic_ledger.booking(step, lambda: self.host_work_ledger.booking(
+            step, lambda: self.host_block_ledger.booking(step, fn)))
 
     def _validating(self) -> bool:
         return self.max_grad_norm is not None or self.skip_nonfinite
@@ -374,17 +376,17 @@ class AdamW(torch.optim.Optimizer):
         """Whether ZeRO-style sharding splits this optimizer's buckets over ranks."""
         return self.sharding is not None
 
-    def wait_pending(self) -> None:
+    def wait_pending(self, site: str = "opt.wait_pending") -> None:
         """Wait for every CPU job in flight (and end the steps that returned before theirs ended): a kernel
-        error is raised here, in the training loop, naming its bucket."""
+        error is raised here, in the training loop, naming its bucket. ``site``: who waits (``host_blocks()``)."""
         jobs = self.__dict__.get("_jobs")
         if jobs is not None:
-            jobs.wait_all()
+            jobs.wait_all(site)
 
     def wait_bucket(self, bucket: FlatBucket) -> None:
         """The training thread is about to need ``bucket``'s host state (the next forward's first read of its
         weights): wait for its CPU job only, and end the step that ``step()`` left to it."""
-        self._jobs.wait(bucket)
+        self._jobs.wait(bucket, "forward: the bucket's first read")
 
     # NOTE: opt.state is read after the CPU jobs step() did not wait for: its moments and step counts are
     # final (as after torch's step()) whenever a script, a scheduler or a checkpoint reads them.
@@ -438,7 +440,7 @@ class AdamW(torch.optim.Optimizer):
                 loss = closure()
         for bucket in self.buckets:
             if self._jobs.has_then(bucket):   # a step() without a forward since the last one
-                self._jobs.wait(bucket)
+                self._jobs.wait(bucket, "step: the last step's end")
         if self._has_new_trainables():
             self.wait_pending()
             self._rebuild_pool()
@@ -447,7 +449,7 @@ class AdamW(torch.optim.Optimizer):
         later = self._may_return_before(buckets, script_changed)
         for bucket in buckets:
             if id(bucket) not in later:
-                self._jobs.wait(bucket)
+                self._jobs.wait(bucket, "step: the buckets it settles")
         if script_changed:
             self.speculator.stats.script_changed_steps += 1
             undo_for_script_gradients(self, script_changed)
@@ -486,6 +488,7 @@ class AdamW(torch.optim.Optimizer):
         self.speculator.begin_step()
         self.traffic_ledger.end_step()
         self.host_work_ledger.end_step()
+        self.host_block_ledger.end_step()
         return loss
 
     def traffic(self) -> dict[tuple[str, str, str], int]:
@@ -505,6 +508,14 @@ class AdamW(torch.optim.Optimizer):
         step"). The plan predicts the same (socompile.plan.host_work.per_step_host_work)."""
         self.wait_pending()
         return self.host_work_ledger.by_purpose()
+
+    def host_blocks(self) -> dict[tuple[str, str, str], dict[str, int]]:
+        """Where host threads waited in the last step (counted as ``traffic()`` is): {(thread, kind, site):
+        {"calls": n, "blocked": m}}, thread "training" or "worker", kind "event synchronize" (a device copy's
+        completion), "CPU worker job" or "device value read" (float() of a device tensor); ``blocked``: the
+        calls that found the work not done yet (runtime/traffic.py HostBlockLedger). Read before the next
+        step's work: it waits for nothing itself."""
+        return self.host_block_ledger.by_site()
 
     def upload_buckets(self, buckets: list[FlatBucket]) -> None:
         """Separate host master: upload every bucket whose master still changed since its last upload (ZeRO's
@@ -555,7 +566,7 @@ class AdamW(torch.optim.Optimizer):
         self._check_not_taken_over()
         for bucket in self.buckets:
             if id(bucket) not in self._step_ends:   # a step() that returned is not discarded: no need to wait
-                self._jobs.wait(bucket)
+                self._jobs.wait(bucket, "zero_grad")
         if self.sharding is not None:   # ZeRO: reductions the discarded backward started are dropped too
             self.sharding.discard(self.buckets)
         ended_later = []

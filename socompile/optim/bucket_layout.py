@@ -61,6 +61,7 @@ def make_buckets(opt: "AdamW", param_lists: list[list[nn.Parameter]], indices: l
                             link_dtype=link_dtypes[k] if link_dtypes else None,
                             cast_site=cast_sites[k] if cast_sites else "cpu", traffic=opt.traffic_ledger,
                             host_ledger=opt.host_ledger, moment_dtype=opt.moment_dtype,
+                            host_blocks=opt.host_block_ledger,
                             # a device-site bucket's work is the device's (on the CPU build too): not booked
                             host_work=opt.host_work_ledger if (sites[k] if sites else "cpu") == "cpu" else None)
         bucket.adopt(opt.param_slots)

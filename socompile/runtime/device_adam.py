@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from .traffic import DEVICE_READ
+
 
 class DeviceStats:
     """(sum of squared scaled gradients, any non-finite) of a device step, read on the host only when asked
@@ -27,8 +29,9 @@ class DeviceStats:
     of fp32 gradients is accumulated wider), done at the first read, on the gradients the step used: the
     landing buffer is not rewritten before ``step()`` has read them."""
 
-    def __init__(self, grads: list[torch.Tensor], grad_scale: float):
+    def __init__(self, grads: list[torch.Tensor], grad_scale: float, blocks=None):
         self._grads, self._scale, self._value = grads, grad_scale, None
+        self._blocks = blocks   # runtime/traffic.py HostBlockLedger: the read is a wait on the device
 
     def _read(self) -> tuple[float, bool]:
         if self._value is None:
@@ -37,9 +40,14 @@ class DeviceStats:
                 scaled = g * self._scale if self._scale != 1.0 else g   # in the gradients' dtype, as the step's
                 part = scaled.double().square().sum()
                 total = part if total is None else total + part
-            value = 0.0 if total is None else float(total)   # the one device->host read
+            value = 0.0 if total is None else self._to_host(total)   # the one device->host read
             self._value, self._grads = (value, not math.isfinite(value)), None
         return self._value
+
+    def _to_host(self, total: torch.Tensor) -> float:
+        if self._blocks is None:   # host memory (a float64 bucket on the CPU): nothing to wait for
+            return float(total)
+        return self._blocks.wait(DEVICE_READ, "device-stepped bucket's gradient norm", False, lambda: float(total))
 
     def __getitem__(self, i: int):
         return self._read()[i]
@@ -49,6 +57,13 @@ class DeviceStats:
 
     def __len__(self) -> int:
         return 2
+
+
+def _device_blocks(bucket):
+    """Where a device value read of ``bucket`` is booked: its host-block ledger when its state is device memory
+    of a CUDA runtime (or the emulated one); None for host memory (a float64 bucket on the CPU build)."""
+    device_state = bucket.site == "device" and bucket.runtime is not None and bucket.runtime.kind == "cuda"
+    return bucket.host_blocks if device_state else None
 
 
 def fused_step(bucket, groups: list[dict], grad_scale: float = 1.0, outputs=None) -> DeviceStats:
@@ -66,7 +81,7 @@ def fused_step(bucket, groups: list[dict], grad_scale: float = 1.0, outputs=None
         kernel([p], [g], [m], [v], [], steps, amsgrad=False, lr=float(group["lr"]), beta1=float(beta1),
                beta2=float(beta2), weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
                maximize=False)
-    return DeviceStats(used, grad_scale)
+    return DeviceStats(used, grad_scale, _device_blocks(bucket))
 
 
 def _state_slices(bucket, start: int, end: int, outputs):
@@ -118,4 +133,5 @@ def _check_invertible(group: dict) -> None:
 def device_grad_stats(bucket) -> DeviceStats:
     """(sum of squared gradients in double, any non-finite) over the runs a step would use, on the device,
     read on the host when asked (``DeviceStats``)."""
-    return DeviceStats([bucket.grad[start:end] for start, end, _, _ in bucket.runs(bucket.group_of)], 1.0)
+    return DeviceStats([bucket.grad[start:end] for start, end, _, _ in bucket.runs(bucket.group_of)], 1.0,
+                       _device_blocks(bucket))

@@ -42,7 +42,7 @@ from ..plan.bucket_buffers import (ACCUMULATION_BUFFER, EXP_AVG_BUFFER, EXP_AVG_
 from ..plan.bucketize import ALIGN   # one layout fact for planner and runtime
 from .host_master import HALF_WEIGHTS, HostMasterCopies, flat_real
 from ..plan.host_work import SPARE_COPY, copy_bytes
-from .traffic import HostWorkLedger, TrafficLedger
+from .traffic import HostBlockLedger, HostWorkLedger, TrafficLedger
 from .sharded_bucket import narrow_to_device_shard
 
 
@@ -73,7 +73,7 @@ class FlatBucket(HostMasterCopies):
                  host_master: str = "shared", site: str = "cpu", flow: bool = False, runtime=None,
                  link_dtype: str | None = None, cast_site: str = "cpu", traffic: TrafficLedger | None = None,
                  host_ledger=None, host_work: HostWorkLedger | None = None,
-                 moment_dtype: torch.dtype = torch.float32):
+                 moment_dtype: torch.dtype = torch.float32, host_blocks: HostBlockLedger | None = None):
         if host_master not in ("shared", "separate"):
             raise ValueError(f"host_master must be 'shared' or 'separate', got {host_master!r}")
         self.mirror = host_master == "separate"
@@ -101,6 +101,7 @@ class FlatBucket(HostMasterCopies):
         self.traffic = traffic if traffic is not None else TrafficLedger()   # bytes its copies move (per step)
         self.host_work = host_work if host_work is not None else HostWorkLedger()   # bytes the host CPU moves
         self.host_ledger = host_ledger  # runtime/memory.py HostLedger: books every host buffer made here
+        self.host_blocks = host_blocks if host_blocks is not None else HostBlockLedger()   # where it waits
         self.dtype = real_dtype(params[0].dtype) if params else torch.float32   # of the flat weights
         self.state_dtype = state_dtype(self.dtype)   # of master, grad, moments and spare
         self.device = params[0].device if params else torch.device("cpu")

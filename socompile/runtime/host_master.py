@@ -46,12 +46,12 @@ class UploadStaging:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)
 
-    def take(self, numel: int) -> tuple[torch.Tensor, int]:
+    def take(self, numel: int, blocks) -> tuple[torch.Tensor, int]:
         """The next buffer (its first ``numel`` elements) and its slot, once the cast that last read it is done
-        (the host waits for that event only: the upload two before this one)."""
+        (the host waits for that event only, booked in ``blocks``: the upload two before this one)."""
         slot, self._next = self._next, 1 - self._next
         if self._last_use[slot] is not None:
-            self._last_use[slot].synchronize()
+            blocks.event(self._last_use[slot], "device-cast staging reuse")
             self._last_use[slot] = None
         return self.buffers[slot][:numel], slot
 
@@ -216,7 +216,7 @@ class HostMasterCopies:
     def before_host_write(self) -> None:
         """Before the kernel rewrites master / the bf16 stage: the upload that reads them must be done (CUDA)."""
         if self.upload_event is not None:
-            self.upload_event.synchronize()
+            self.host_blocks.event(self.upload_event, "host write after an upload")
             self.upload_event = None
 
     @ranges.ranged(ranges.UPLOAD, ranges.own_bucket)
@@ -269,7 +269,7 @@ class HostMasterCopies:
         if self.upload_staging is None:
             raise RuntimeError(f"socompile: bucket {self.index} casts its uploads on the device but was given no "
                                f"upload staging (use_upload_staging); this is a bug")
-        staging, slot = self.upload_staging.take(self.numel)
+        staging, slot = self.upload_staging.take(self.numel, self.host_blocks)
         self.traffic.add_copy("h2d", WEIGHT_UPLOAD, staging)
         rt = self.runtime
         if rt is None or rt.kind == "cpu":
@@ -449,7 +449,7 @@ class HostMasterCopies:
         micro-batches. A no-op on the CPU build and for device-stepped buckets."""
         if self.grad_event is None:
             return
-        self.grad_event.synchronize()
+        self.host_blocks.event(self.grad_event, "gradient copy to the host")
         for i in self._pending_adds:
             seg = self.segment(i)
             self.grad[seg].add_(self._stage_acc[seg])

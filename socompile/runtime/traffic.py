@@ -85,6 +85,38 @@ class TrafficLedger(StepBooks):
         self.add(direction, dst.dtype, purpose, dst.numel() * dst.element_size())
 
 
+# What a host thread blocks on (HostBlockLedger kinds).
+EVENT_WAIT = "event synchronize"      # a device copy's (or the CPU build's stream's) completion event
+WORKER_WAIT = "CPU worker job"        # a bucket's job on the CPU optimizer worker
+DEVICE_READ = "device value read"     # float() of a device tensor: the host waits for the device to get there
+WORKER_THREAD_PREFIX = "socompile-cpu-optimizer"   # the CPU worker's threads (runtime/worker.py)
+
+
+class HostBlockLedger(StepBooks):
+    """Every place a host thread may block on the device or on the CPU worker, per step: keys (thread, kind,
+    site, "calls" | "blocked"), thread "training" or "worker", ``blocked`` counting the calls that found the
+    awaited work not yet done (a call on finished work returns at once). ``opt.host_blocks()`` reads it."""
+
+    def wait(self, kind: str, site: str, done: bool, wait: Callable[[], object]) -> object:
+        """Book a wait at ``site`` (``done``: the work had finished already) and run ``wait``."""
+        thread = "worker" if threading.current_thread().name.startswith(WORKER_THREAD_PREFIX) else "training"
+        self.add_count((thread, kind, site, "calls"), 1)
+        if not done:
+            self.add_count((thread, kind, site, "blocked"), 1)
+        return wait()
+
+    def event(self, event, site: str) -> None:
+        """``event.synchronize()``, booked at ``site``."""
+        self.wait(EVENT_WAIT, site, event.query(), event.synchronize)
+
+    def by_site(self) -> dict[tuple[str, str, str], dict[str, int]]:
+        """The last step's {(thread, kind, site): {"calls": n, "blocked": m}}."""
+        out: dict[tuple[str, str, str], dict[str, int]] = {}
+        for (thread, kind, site, count), n in self.last.items():
+            out.setdefault((thread, kind, site), {"calls": 0, "blocked": 0})[count] = n
+        return out
+
+
 class HostWorkLedger(StepBooks):
     """Bytes the host CPU reads and writes per purpose (plan/host_work.py names them and gives the formulas
     each pass books with), per step: keys (purpose, "read") and (purpose, "written")."""

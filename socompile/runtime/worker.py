@@ -8,6 +8,8 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Callable
 
+from .traffic import WORKER_WAIT
+
 
 class CPUWorker:
     def __init__(self, name: str = "socompile-cpu-optimizer"):
@@ -26,8 +28,9 @@ class BucketJobs:
     ended, when somebody first waits for the bucket (``opt.step()`` leaves the end of a step there, so that it
     returns before the step's CPU jobs end; the bucket's first reader in the next forward waits for it)."""
 
-    def __init__(self):
+    def __init__(self, blocks=None):
         self._worker: CPUWorker | None = None
+        self.blocks = blocks   # runtime/traffic.py HostBlockLedger: each wait booked with its site
         self._jobs: dict[int, tuple[object, concurrent.futures.Future, Callable[[], None] | None]] = {}
 
     def submit(self, bucket, fn: Callable[[], object]) -> None:
@@ -51,14 +54,18 @@ class BucketJobs:
         entry = self._jobs.get(id(bucket))
         return entry is not None and entry[2] is not None
 
-    def wait(self, bucket) -> bool:
+    def wait(self, bucket, site: str = "opt.wait_pending") -> bool:
         """Wait for ``bucket``'s job and run its ``then``; True if there was a job. A failed job's error is
-        raised here, in the training loop, with a note naming the bucket (its ``then`` is dropped)."""
+        raised here, in the training loop, with a note naming the bucket (its ``then`` is dropped). ``site``:
+        who waits (booked in ``blocks``)."""
         entry = self._jobs.pop(id(bucket), None)
         if entry is None:
             return False
         try:
-            entry[1].result()
+            if self.blocks is not None:
+                self.blocks.wait(WORKER_WAIT, site, entry[1].done(), entry[1].result)
+            else:
+                entry[1].result()
         except Exception as error:   # its own type, as the kernel raised it; the note says where it ran
             if hasattr(error, "add_note"):   # Python 3.11+
                 error.add_note(f"(in socompile's CPU optimizer job of bucket {getattr(bucket, 'index', '?')})")
@@ -67,9 +74,9 @@ class BucketJobs:
             entry[2]()
         return True
 
-    def wait_all(self) -> None:
+    def wait_all(self, site: str = "opt.wait_pending") -> None:
         for bucket, _, _ in list(self._jobs.values()):
-            self.wait(bucket)
+            self.wait(bucket, site)
 
     def shutdown(self) -> None:
         if self._worker is not None:
