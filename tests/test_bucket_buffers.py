@@ -53,7 +53,8 @@ CASES = {
 
 
 def made_bucket(name):
-    """The bucket of case ``name`` with every buffer it can make made: adopted, sharded, its spare taken, one
+    """The bucket of case ``name`` with every buffer it can make made: adopted, sharded, its spare taken (a
+    CPU-stepped one), one
     upload (the low-precision stage), and on a CUDA runtime two micro-batches of gradients (the accumulation
     stage)."""
     dtype, kwargs, runtime, shard = CASES[name]
@@ -69,7 +70,8 @@ def made_bucket(name):
     bucket.adopt({})
     if shard is not None:
         bucket.shard(*shard)
-    bucket.spare_buffers()
+    if bucket.site == "cpu":   # a device-stepped bucket is stepped after validation only: it has no spare
+        bucket.spare_buffers()
     if bucket.device_shard is None and bucket.site == "cpu":
         grads = [torch.ones_like(p) for p in params]
         bucket.receive_many(list(range(len(params))), grads, accumulate=False)
@@ -85,6 +87,8 @@ def test_each_buffer_is_made_as_its_entry_says(name):
     specs = {s.name: s for s in bucket_buffers(bucket.storage, bucket.numel, *bucket.rank_world)}
     held = bucket.held_buffers()
     made_on_use = {"spare master", "spare exp_avg", "spare exp_avg_sq", "low-precision stage", "accumulation stage"}
+    if bucket.site == "device":
+        assert not {"spare master", "spare exp_avg", "spare exp_avg_sq"} & set(specs)
     # every buffer the layout lists that is not made on first use exists, and nothing exists that it does not list
     assert set(specs) - made_on_use <= set(held) <= set(specs)
     for key, tensor in held.items():
@@ -134,6 +138,12 @@ def test_the_plan_counts_the_buffers_the_runtime_holds(name):
         storage = bucket.storage
         assert [s.name for s in bucket_buffers(storage, bucket.numel, rank, world)] == \
             [s.name for s in bucket_buffers(storage, bucket.numel, 0, world)]
+
+
+def test_a_device_stepped_bucket_has_no_spare_to_make():
+    bucket, _, _ = made_bucket("emulated bf16 device step")
+    with pytest.raises(RuntimeError, match="no 'spare master' buffer"):
+        bucket.spare_buffers()
 
 
 def test_the_last_rank_of_an_uneven_zero_window_holds_a_short_window():

@@ -181,8 +181,9 @@ def bucket_buffers(storage: BucketStorage, numel: int, rank: int = 0, world: int
 
 def _device_stepped(s: BucketStorage, numel: int, window: int, cut: str) -> tuple[BufferSpec, ...]:
     """A device-stepped bucket: master, gradient and moments beside the weights (a shared master's stay where
-    the parameters are: on the CPU build the host, where ZeRO's host path windows its moments and spares); a
-    separate 2-byte (or fp64) weight buffer is cast from the master after each step."""
+    the parameters are: on the CPU build the host, where ZeRO's host path windows its moments); a separate
+    2-byte (or fp64) weight buffer is cast from the master after each step. No spare: a device-stepped bucket
+    is stepped once its step is validated, never speculatively."""
     state = s.state_dtype
     moments = state if s.separate or state != "float32" else s.moment_dtype
 
@@ -190,10 +191,6 @@ def _device_stepped(s: BucketStorage, numel: int, window: int, cut: str) -> tupl
         return BufferSpec(name, purpose, dtype, elements, False, "device", part)
     out = [dev(MASTER_BUFFER, MASTER, state), dev(GRAD_BUFFER, LANDING, state),
            dev(EXP_AVG_BUFFER, MOMENTS, moments, window, cut), dev(EXP_AVG_SQ_BUFFER, MOMENTS, moments, window, cut)]
-    if s.spares:
-        out += [dev(SPARE_MASTER_BUFFER, SPARES, state, window, cut),
-                dev(SPARE_EXP_AVG_BUFFER, SPARES, moments, window, cut),
-                dev(SPARE_EXP_AVG_SQ_BUFFER, SPARES, moments, window, cut)]
     if s.separate and s.weight_dtype != "float32":
         out.append(dev(WEIGHTS_BUFFER, "weights", s.weight_dtype))
     return tuple(out)

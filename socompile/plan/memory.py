@@ -39,7 +39,7 @@ import sympy
 
 from ..dtypes import dtype_bytes, dtype_name
 from ..ledger_names import ACTIVATIONS, HOST_PURPOSES
-from .bucket_buffers import BucketStorage, bucket_buffers, host_entries
+from .bucket_buffers import WEIGHTS_BUFFER, BucketStorage, bucket_buffers, host_entries
 from .bucketize import ALIGN, padded_numel
 from .plan import BucketPlan
 from .step_timeline import StepPeak, flow_bytes_of
@@ -212,10 +212,13 @@ def runtime_device_bytes(plan, ir, align: int | None = None) -> dict:
     flow_bytes = flow_bytes_of(plan.buckets, ir, align, world)   # the flow buffers the floor walks, as allocated
     for b in plan.buckets:
         n = padded_numel([ir.params[p].numel for p in b.params], align)
-        if b.optimizer_site == "device":
-            state += 16 * n          # fp32 master, gradient, exp_avg, exp_avg_sq
-            if weight_bytes != 4:    # bf16/fp16 weights: a device copy cast from that master (runtime/flat_bucket.py)
-                stationary += n * weight_bytes
+        if b.optimizer_site == "device":   # its buffers as the runtime makes them (plan/bucket_buffers.py): fp32
+            # master, gradient, exp_avg, exp_avg_sq; bf16/fp16 weights: a device copy cast from that master
+            for spec in bucket_buffers(bucket_storage(b, weight_dtype(plan)), n):
+                if spec.name == WEIGHTS_BUFFER:
+                    stationary += spec.nbytes
+                else:
+                    state += spec.nbytes
         if b.weight_mode != "flow" and b.optimizer_site != "device":
             stationary += n * weight_bytes   # a device-site bucket's weights are its fp32 master, counted above
     peak, per_phase = flow_peak(flow_schedule(plan, ir), flow_bytes)

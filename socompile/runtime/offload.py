@@ -52,8 +52,8 @@ class OffloadRuntime:
             weights = getattr(flat, "weights", None)
             if b.optimizer_site == "device":
                 # fp32 master, gradient and Adam moments on the device (on the CPU build: the bucket's buffers)
-                self.ledger.alloc("GPU optimizer state", b.index, 4 * sum(
-                    t.numel() for t in (flat.master, flat.grad, flat.exp_avg, flat.exp_avg_sq)))
+                self.ledger.alloc("GPU optimizer state", b.index, sum(
+                    t.numel() * t.element_size() for t in (flat.master, flat.grad, flat.exp_avg, flat.exp_avg_sq)))
                 if weights is not None:   # non-fp32 parameters: a device copy cast from the master
                     self.ledger.alloc("stationary weights", b.index, weights.numel() * weights.element_size())
             elif b.weight_mode == "stationary":
