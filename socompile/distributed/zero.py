@@ -273,7 +273,7 @@ def shard_optimizer(optimizer, group=None, broadcast_from: int | None = 0) -> Ze
         bucket.shard(sharding.rank, sharding.world)
     optimizer.use_sharding(sharding)
     for runtime in {id(b.runtime): b.runtime for b in optimizer.buckets if b.runtime is not None}.values():
-        zero_pool(runtime).collectives = sharding   # flow buckets' fetches all-gather through it (later claims too)
+        zero_pool(runtime).use_collectives(sharding)   # flow buckets' fetches all-gather through it (later claims too)
     if sharding.world > 1 and optimizer.host_master == "separate" and optimizer.runtime_kind in ("cuda", "emulated"):
         # device-side ZeRO: step() leaves the weights' all-gathers in flight; an eager forward waits first
         sharding.eager_reads = zero_gather.EagerReadWaits(optimizer)

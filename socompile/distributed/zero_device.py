@@ -89,7 +89,7 @@ def publish(sharding, bucket) -> None:
     shard.upload_shard(bucket)   # waits for the previous all-gather first: it read the shard buffer
     with guard(f"all-gather of bucket {bucket.index} (device)", sharding.group):
         work = dist.all_gather_into_tensor(bucket.weights, shard.shard_buffer, group=sharding.group, async_op=True)
-    shard.gather = PendingGather(work, bucket.index, sharding.group)
+    shard.gathering(PendingGather(work, bucket.index, sharding.group))
     nbytes = bucket.weights.numel() * bucket.weights.element_size()
     sharding.stats.all_gather_bytes += nbytes
     sharding.stats.sent_bytes += sharding.ring_bytes(nbytes)

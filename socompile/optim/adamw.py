@@ -193,6 +193,11 @@ class AdamW(torch.optim.Optimizer):
                 set_owner(p, self)
                 self.group_index[id(p)] = gi
 
+    def first_script_clip(self) -> bool:
+        """True the first time a script's own clip meets this optimizer's max_grad_norm (said once)."""
+        first, self.warned_script_clip = not self.warned_script_clip, True
+        return first
+
     def hand_over(self) -> None:
         """A newer socompile.AdamW was built over (some of) this optimizer's parameters and takes them over.
         This one gives all its parameters back to the model as they are now (the step in flight finished, flow
@@ -263,7 +268,7 @@ class AdamW(torch.optim.Optimizer):
             bucket.use_rollback(mode)
         for runtime in getattr(claim, "offload_runtimes", ()):   # the graph's device staging of its uploads
             runtime.attach_upload_staging()
-        claim.active = True
+        claim.laid_out()
         self._rebuild_pool()
 
     # ------------------------------------------------------------- backward
@@ -467,7 +472,9 @@ class AdamW(torch.optim.Optimizer):
         if self.sharding is not None:
             self.sharding.reduce_remaining(buckets)
         if self._validating():
-            validate_and_finish(self, buckets, script_changed=bool(script_changed))
+            outcome = validate_and_finish(self, buckets, script_changed=bool(script_changed))
+            self.last_grad_norm = outcome.grad_norm
+            self.last_step_skipped, self.last_step_clipped = outcome.skipped, outcome.clipped
         else:
             for bucket in upload_order(settled):
                 if not bucket.stepped:

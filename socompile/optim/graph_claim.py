@@ -95,6 +95,10 @@ class GraphClaim:
         self.active = False
         self.handle = handles.register(self)
 
+    def laid_out(self) -> None:
+        """The optimizer laid this claim's buckets out: the graph's ops reach them from now on."""
+        self.active = True
+
     def activate(self) -> None:
         """Before this graph's forward runs: make its buckets hold its parameters' state again if another
         graph took them over (see the module's NOTE)."""

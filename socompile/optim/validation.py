@@ -8,6 +8,7 @@ backward started (``discard_iteration``).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -30,7 +31,16 @@ log = logging.getLogger("socompile")
 
 
 @ranges.ranged(ranges.VALIDATE)
-def validate_and_finish(opt: "AdamW", buckets: list[FlatBucket], script_changed: bool = False) -> None:
+@dataclasses.dataclass(frozen=True)
+class StepOutcome:
+    """What validation decided for a step: the global gradient norm (nan when non-finite), whether the step was
+    skipped (non-finite gradients) or clipped (the optimizer's max_grad_norm scaled it)."""
+    grad_norm: float
+    skipped: bool
+    clipped: bool
+
+
+def validate_and_finish(opt: "AdamW", buckets: list[FlatBucket], script_changed: bool = False) -> StepOutcome:
     """Validation: commit the speculated steps, or roll them back and skip (non-finite gradients), or
     roll them back and redo them with clipped gradients. ``script_changed``: the training script changed the
     gradients after backward (``undo_for_script_gradients`` ran); its gradients are used as it left them, and
@@ -45,18 +55,17 @@ def validate_and_finish(opt: "AdamW", buckets: list[FlatBucket], script_changed:
     if opt.sharding is not None:   # partials cover this rank's shards: every rank must decide alike
         total, nonfinite = opt.sharding.global_stats(total, nonfinite)
     norm = math.sqrt(total) if not nonfinite and math.isfinite(total) else float("nan")
-    opt.last_grad_norm = norm
     speculated = [b for b in buckets if b.speculated]
     opt.events.record("validate")
     if not math.isfinite(norm):
         for bucket in speculated:
             roll_back(opt, bucket)
             upload_final(opt, bucket)   # an in-place rollback rewrote the master (inverse)
-        opt.last_step_skipped, opt.last_step_clipped = True, False
+        skipped, clipped = True, False
         opt.events.record("skip")
     else:
         scale = 1.0 if script_changed else clip_coefficient(norm, opt.max_grad_norm)
-        opt.last_step_skipped, opt.last_step_clipped = False, scale < 1.0
+        skipped, clipped = False, scale < 1.0
         # Each bucket is final here, one by one: its upload is issued at once (overlapping the next
         # buckets' commits or redone steps), in the order the next forward reads them.
         for bucket in upload_order(buckets):
@@ -72,12 +81,13 @@ def validate_and_finish(opt: "AdamW", buckets: list[FlatBucket], script_changed:
                 step_now(opt, bucket, scale)
             upload_final(opt, bucket)
         commit(opt, buckets)
-    spec.end_step(norm, skipped=opt.last_step_skipped, clipped=opt.last_step_clipped)
+    spec.end_step(norm, skipped=skipped, clipped=clipped)
     spec.stats.seconds_validating += time.perf_counter() - start
     if log.isEnabledFor(logging.DEBUG):   # TORCH_LOGS=+socompile shows one line per step
         log.debug("socompile step %d: norm %.4g, %s; speculation so far %s", spec.stats.steps, norm,
-                  "skipped" if opt.last_step_skipped else "clipped" if opt.last_step_clipped else "committed",
+                  "skipped" if skipped else "clipped" if clipped else "committed",
                   spec.stats.as_dict())
+    return StepOutcome(norm, skipped, clipped)
 
 
 def roll_back(opt: "AdamW", bucket: FlatBucket) -> None:
@@ -142,8 +152,7 @@ def undo_for_script_gradients(opt: "AdamW", buckets: list[FlatBucket]) -> None:
             "(e.g. torch.nn.utils.clip_grad_norm_), but under ZeRO each rank holds only its shard of the reduced "
             "gradients. Pass max_grad_norm=... to socompile.AdamW (it clips over the global norm) and drop the "
             "script's clip.")
-    if opt.max_grad_norm is not None and not opt.warned_script_clip:
-        opt.warned_script_clip = True
+    if opt.max_grad_norm is not None and opt.first_script_clip():
         warnings.warn(
             f"socompile.AdamW: the training script changed the gradients between backward() and step() (its own "
             f"clip_grad_norm_ or similar). They are used as the script left them, and the optimizer's "

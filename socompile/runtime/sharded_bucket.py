@@ -65,6 +65,11 @@ class ZeroPool:
         self._reducing: list["DeviceShard"] = []   # shards whose reduce-scatter was issued, in issue order
         self._lock = threading.Lock()
 
+    def use_collectives(self, sharding) -> None:
+        """The optimizer over these buckets is sharded through ``sharding`` (a ZeroSharding): flow fetches
+        all-gather with it, later claims too."""
+        self.collectives = sharding
+
     def reducing(self, work, shard: "DeviceShard", bucket) -> None:
         shard.work, shard.landing = work, bucket
         with self._lock:
@@ -181,6 +186,11 @@ class DeviceShard:
         bucket.traffic.add_copy("d2h", GRADIENT_LINK, reduced)   # opt.traffic(): plan/transfers.py counts it
 
     # ------------------------------------------------------------------- weights
+    def gathering(self, pending) -> None:
+        """The weights' all-gather ``pending`` (distributed/zero_gather.py PendingGather) is in flight; the first
+        reader of the weights waits for it (``wait_gathered``)."""
+        self.gather = pending
+
     def wait_gathered(self) -> bool:
         """Wait for the weights' all-gather in flight, if any (NCCL: the current stream waits; gloo: this thread
         blocks until done); True when there was one. Training thread only."""
