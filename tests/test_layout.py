@@ -264,8 +264,13 @@ def foreign_private_accesses(files: dict[str, str]) -> list[str]:
     return found
 
 
+def _sources() -> dict[str, str]:
+    """socompile's modules, {path under socompile/: source}."""
+    return {str(p.relative_to(SOURCE)): p.read_text() for p in SOURCE.rglob("*.py")}
+
+
 def test_no_module_reaches_into_another_modules_objects():
-    files = {str(p.relative_to(SOURCE)): p.read_text() for p in SOURCE.rglob("*.py")}
+    files = _sources()
     assert foreign_private_accesses(files) == []
 
 
@@ -305,7 +310,7 @@ def foreign_bucket_writes(files: dict[str, str]) -> list[str]:
 
 
 def test_only_the_bucket_changes_its_own_state():
-    files = {str(p.relative_to(SOURCE)): p.read_text() for p in SOURCE.rglob("*.py")}
+    files = _sources()
     assert foreign_bucket_writes(files) == []
 
 
