@@ -17,3 +17,13 @@ def save_midway(topo, directory: str, batches: list, save_at: int, build: Callab
     saved = snapshot(opt)
     norms = train(model, opt, batches[save_at:], topo.rank, topo.world_size)
     return model, opt, saved, norms
+
+
+def assert_ranks_ok(results, tail: int = 3000) -> list:
+    """Assert every rank exited 0; on failure show every rank's exit code and output tail, not only the first
+    failing rank's: a rank that finds its peer dead fails too, and the peer's own error is the cause."""
+    if all(r.returncode == 0 for r in results):
+        return [r.result for r in results]
+    report = "\n".join(f"--- rank {r.rank}: exit {r.returncode} after {r.seconds:.1f} s ---\n{r.output[-tail:]}"
+                       for r in results)
+    raise AssertionError(f"ranks failed:\n{report}")

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from socompile.distributed.launch import run_local
-from dist_helpers import save_midway
+from dist_helpers import assert_ranks_ok, save_midway
 
 HERE = str(pathlib.Path(__file__).resolve())
 ROWS, STEPS, SAVE_AT = 6, 6, 3     # 6 rows: divisible by 1, 2 and 3 ranks
@@ -104,8 +104,7 @@ def _resume_worker(args: dict) -> dict:
 
 
 def _ok(results):
-    for r in results:
-        assert r.returncode == 0, f"rank {r.rank}:\n{r.output[-3000:]}"
+    assert_ranks_ok(results)
     return [r.result for r in results]
 
 

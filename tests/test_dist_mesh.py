@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from socompile.distributed.launch import run_local
+from dist_helpers import assert_ranks_ok
 
 HERE = str(pathlib.Path(__file__).resolve())
 EPS = 1e-6   # Adam's eps: bounds how much it amplifies rounding differences (see the tolerance above)
@@ -85,8 +86,7 @@ def check_mesh(results: list[dict], dp: int, sp: int) -> None:
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
     results = run_local(f"{HERE}:_mesh_worker", 2, {"meshes": [[1, 2], [2, 1]], "wrong": [2, 2]}, timeout_s=120)
-    for r in results:
-        assert r.returncode == 0, f"rank {r.rank}:\n{r.output[-3000:]}"
+    assert_ranks_ok(results)
     return [r.result for r in results]
 
 

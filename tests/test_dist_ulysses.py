@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from socompile.distributed.launch import run_local
 from socompile.distributed.ulysses import SequenceParallelError, check_heads
+from dist_helpers import assert_ranks_ok
 
 HERE = str(pathlib.Path(__file__).resolve())
 
@@ -72,8 +73,7 @@ def sd_backend():
 @pytest.fixture(scope="module")
 def sp_runs() -> list[dict]:
     results = run_local(f"{HERE}:_sp_worker", 2, {"cases": CASES}, timeout_s=240)
-    for r in results:
-        assert r.returncode == 0, f"rank {r.rank} failed:\n{r.output[-3000:]}"
+    assert_ranks_ok(results)
     return [r.result for r in results]
 
 

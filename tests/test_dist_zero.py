@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from socompile.distributed.launch import run_local
+from dist_helpers import assert_ranks_ok
 
 HERE = str(pathlib.Path(__file__).resolve())
 NAN_STEP = 4
@@ -124,8 +125,7 @@ def _zero_worker(args: dict) -> dict:
 
 def _check(args, nprocs=2):
     results = run_local(f"{HERE}:_zero_worker", nprocs, args, timeout_s=150)
-    for r in results:
-        assert r.returncode == 0, f"rank {r.rank}:\n{r.output[-3000:]}"
+    assert_ranks_ok(results)
     r0, r1 = (r.result for r in results[:2])
     for r in (r.result for r in results):
         assert r["err"] < TOL, r
@@ -209,8 +209,8 @@ def _optimizer_mismatch_worker(args: dict) -> dict:
 
 def test_ranks_with_different_optimizer_bucket_size_fail_in_shard_optimizer_naming_it_on_every_rank():
     results = run_local(f"{HERE}:_optimizer_mismatch_worker", 2, {}, timeout_s=60)
+    assert_ranks_ok(results)
     for r in results:
-        assert r.returncode == 0, f"rank {r.rank}:\n{r.output[-3000:]}"
         error = r.result["error"]
         assert error and "ranks built different socompile.AdamW optimizers" in error, error
         assert "optimizer.bucket_size (rank 0: 40000, rank 1: 1000000)" in error, error
@@ -221,8 +221,8 @@ def test_ranks_with_different_optimizer_bucket_size_fail_in_shard_optimizer_nami
 def test_ranks_compiled_with_different_options_fail_at_compile_time_naming_the_option(optimizer):
     # Without a socompile optimizer no pass runs; the pipeline (pipeline.compile_partitioned) runs the check itself.
     results = run_local(f"{HERE}:_mismatch_worker", 2, {"optimizer": optimizer}, timeout_s=120)
+    assert_ranks_ok(results)
     for r in results:
-        assert r.returncode == 0, f"rank {r.rank}:\n{r.output[-3000:]}"
         error = r.result["error"]
         assert error and "ranks compiled different plans" in error, error
         assert "options.bucket_size (rank 0: 40000, rank 1: 20000)" in error
@@ -325,8 +325,7 @@ def _mirror_worker(args: dict) -> dict:
 
 def _mirror_results(dtype: str, compile: bool = False) -> list[dict]:
     results = run_local(f"{HERE}:_mirror_worker", 2, {"dtype": dtype, "compile": compile}, timeout_s=300)
-    for r in results:
-        assert r.returncode == 0, f"rank {r.rank}:\n{r.output[-3000:]}"
+    assert_ranks_ok(results)
     return [r.result for r in results]
 
 

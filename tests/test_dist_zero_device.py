@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from socompile.distributed.launch import run_local
 from socompile.ledger_names import FLOW_FETCH, GRADIENTS, WEIGHT_UPLOAD
 from socompile.runtime.memory import LANDING, MASTER, MOMENTS, SPARES, STAGING
+from dist_helpers import assert_ranks_ok
 
 HERE = str(pathlib.Path(__file__).resolve())
 NAN_STEP = 3        # the step whose gradients are NaN on rank 1 only: every rank must skip it
@@ -240,8 +241,7 @@ def _train_one(model, opt, batches) -> tuple[list, list]:
 
 def _results(args: dict, nprocs: int) -> list[dict]:
     runs = run_local(f"{HERE}:_worker", nprocs, args, timeout_s=300, env=EMULATED)
-    for r in runs:
-        assert r.returncode == 0, f"rank {r.rank}:\n{r.output[-3000:]}"
+    assert_ranks_ok(runs)
     return [r.result for r in runs]
 
 

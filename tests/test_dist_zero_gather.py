@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from socompile.distributed.launch import run_local
-from dist_helpers import save_midway
+from dist_helpers import assert_ranks_ok, save_midway
 
 HERE = str(pathlib.Path(__file__).resolve())
 EMULATED = {"SOCOMPILE_RUNTIME": "emulated"}
@@ -145,8 +145,7 @@ def _overlap_worker(args: dict) -> dict:
 
 
 def _ok(runs) -> list[dict]:
-    for r in runs:
-        assert r.returncode == 0, f"rank {r.rank}:\n{r.output[-3000:]}"
+    assert_ranks_ok(runs)
     return [r.result for r in runs]
 
 
