@@ -156,3 +156,66 @@ def test_on_the_cuda_path_a_script_clip_sees_and_changes_the_gradients_socompile
     if name == "clip_grad_norm_":
         for ours, theirs in norms:
             assert math.isclose(float(ours), float(theirs), rel_tol=1e-5), (float(ours), float(theirs))
+
+
+class _PausingSource(torch.Tensor):
+    """A source tensor whose ``copy_`` into the gradient buffer holds the writer right after the copy, until
+    ``resume`` is set (or 0.5 s): the moment between the CPU worker's ZeRO write and its re-read of the version
+    counter."""
+    copied: "threading.Event"
+    resume: "threading.Event"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        if func is torch.Tensor.copy_:
+            cls.copied.set()
+            cls.resume.wait(0.5)
+        return out
+
+
+def test_the_workers_own_zero_write_is_never_taken_for_a_script_change():
+    """ZeRO: the CPU worker writes the reduced shard into the gradient buffer (take_reduced_shard) while step()
+    checks, on the training thread, whether the script changed the gradients (version counter). A check that
+    falls between the write and its re-read of the counter must not see our own write as the script's (it made
+    step() raise "the training script changed the gradients" on one rank, once in ~10 dp2 runs). Held at that
+    moment, the check waits for the write to finish and says unchanged; a script's change is still seen."""
+    import threading
+    from socompile.runtime.flat_bucket import FlatBucket
+    params = [torch.nn.Parameter(torch.randn(64)), torch.nn.Parameter(torch.randn(32))]
+    bucket = FlatBucket(0, params)
+    for i, p in enumerate(params):
+        bucket.receive(i, torch.randn_like(p), accumulate=False)
+        p.grad = bucket.view(bucket.grad, i)
+    bucket.note_gradients_delivered()
+    _PausingSource.copied, _PausingSource.resume = threading.Event(), threading.Event()
+    averaged = torch.randn(48).as_subclass(_PausingSource)
+    writer = threading.Thread(target=bucket.take_reduced_shard, args=(0, averaged))
+    writer.start()
+    assert _PausingSource.copied.wait(5.0)
+    seen = []
+    checker = threading.Thread(target=lambda: seen.append(bucket.script_changed_gradients()))
+    checker.start()
+    checker.join(0.2)
+    _PausingSource.resume.set()
+    writer.join(5.0)
+    checker.join(5.0)
+    assert seen == [False]
+    assert torch.equal(bucket.grad[:48], averaged.as_subclass(torch.Tensor))
+    params[1].grad.mul_(0.5)        # the script's own change after ours is still seen
+    assert bucket.script_changed_gradients()
+
+
+def test_a_script_change_before_the_workers_zero_write_is_not_hidden_by_it():
+    """The script clips after backward while the worker has not yet written the reduced shard: the worker's
+    re-read of the version counter must not absorb the script's change (step() must still refuse it under ZeRO)."""
+    from socompile.runtime.flat_bucket import FlatBucket
+    params = [torch.nn.Parameter(torch.randn(64))]
+    bucket = FlatBucket(0, params)
+    bucket.receive(0, torch.randn(64), accumulate=False)
+    params[0].grad = bucket.view(bucket.grad, 0)
+    bucket.note_gradients_delivered()
+    torch.nn.utils.clip_grad_norm_(params, 1e-3)
+    bucket.take_reduced_shard(0, torch.randn(32))
+    assert bucket.script_changed_gradients()

@@ -33,6 +33,8 @@ own device ``weights`` and copies gradients in and the updated master out: that 
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
@@ -154,6 +156,10 @@ class FlatBucket(HostMasterCopies):
         self._views: dict[tuple[int, int], torch.Tensor] = {}
         self._grad_version = None  # the landing buffer's version once backward delivered (see script_changed)
         self._script_changed = False  # separate master: a script's clip changed the held gradients
+        # ZeRO: the CPU worker writes the reduced shard into ``grad`` (take_reduced_shard) while step() may be
+        # checking for a script's change on the training thread; the write and its re-read of the version
+        # counter are one step for the check, or it sees our own write as the script's.
+        self._grad_version_lock = threading.Lock()
 
     def buffer_spec(self, name: str) -> BufferSpec:
         """The entry of bucket_buffers for buffer ``name`` at this bucket's ZeRO place (``rank_world``)."""
@@ -484,19 +490,26 @@ class FlatBucket(HostMasterCopies):
     def take_reduced_shard(self, lo: int, averaged: torch.Tensor) -> None:
         """ZeRO: this rank's shard of the averaged gradients replaces its local ones. Our own write, so the
         version counter that detects a script's change is re-read after it."""
-        self.grad[lo:lo + averaged.numel()].copy_(averaged)
-        if self._grad_version is not None:
-            self._grad_version = self.grad._version
+        with self._grad_version_lock:
+            before = self.grad._version
+            if self._grad_version is not None and before != self._grad_version:
+                self._script_changed = True   # the script changed them before our write would hide it
+            self.grad[lo:lo + averaged.numel()].copy_(averaged)
+            if self._grad_version is not None:
+                if self.grad._version != before + 1:   # copy_ bumps it once; more: the script wrote meanwhile
+                    self._script_changed = True
+                self._grad_version = self.grad._version
 
     def script_changed_gradients(self) -> bool:
         """Whether the training script changed the gradients backward delivered: in place (the version
         counter moved), by assigning another tensor to ``.grad``, or by setting it to None."""
-        if self._script_changed:
-            return True
-        if self._grad_version is None:
-            return False
-        if self.grad._version != self._grad_version:
-            return True
+        with self._grad_version_lock:
+            if self._script_changed:
+                return True
+            if self._grad_version is None:
+                return False
+            if self.grad._version != self._grad_version:
+                return True
         return any(present and (p.grad is None or p.grad.data_ptr() != self.view(self.grad, i).data_ptr())
                    for i, (p, present) in enumerate(zip(self.params, self.has_grad)))
 
