@@ -121,8 +121,8 @@ class Options:
     cast_site: str | None = None
     """Pin where weights are cast between the fp32 master and what crosses the link: 'device' (fp32 crosses,
     the device casts to the compute dtype) or 'cpu' (the CPU casts to bfloat16, bfloat16 crosses; fp16 for an
-    fp16 model; an fp32 model then computes with bf16-rounded streamed weights). None: the planner's choice from
-    the bandwidths."""
+    fp16 model; an fp32 model then computes with bf16-rounded streamed weights). None: the planner's choice, the
+    site with the faster simulated step (ties: 'cpu', half the link bytes)."""
     grad_link_dtype: str | None = None
     """Pin the precision of gradients crossing the link to the CPU: 'float32' or 'bfloat16' (cast on the device,
     before the copy; the CPU optimizer accumulates in fp32). None: the model's own dtype, but float32 for an fp16

@@ -5,9 +5,12 @@ Decisions, in this order (each reads the cost model; docs/planner.md explains th
    Not pinned: 64 MB, or when that cannot fit the budget (the gradients and flow buffers of whole buckets live
    at once, plan/step_timeline.py), the largest smaller size (halving, down to the largest parameter) whose
    floor fits.
-2. Casts and link precision (per bucket, from bandwidths): gradients cross in the model's own dtype (the CPU
-   kernel reads bf16 directly, an fp32 upcast carries no information); updated weights cross as fp32 and are
-   cast on the GPU when ``4n/link < 2n/link + 2n/cpu_adam_bw`` (C2C), else are cast on the CPU (PCIe).
+2. Casts and link precision: gradients cross in the model's own dtype (the CPU kernel reads bf16 directly, an
+   fp32 upcast carries no information). Updated bf16/fp16 weights of stationary CPU buckets either cross as
+   fp32 and are cast on the GPU, or are written as bf16 by the CPU kernel in its pass and cross as bf16: the
+   search of 4 runs for both, and the faster simulated step wins (ties: the CPU cast, fewer link bytes). The
+   closed form ``4n/link`` vs ``2n/link + 2n/cpu_adam_bw`` is only the first guess the bucket size is fitted
+   with: it charges the link as if it were on the critical path, which it mostly is not in a CPU-bound step.
 0. Parallel degrees (options.dp_degree, options.sp_degree): per-rank costs (token work and activations / sp,
    ZeRO-sharded optimizer state / (dp*sp)); collectives are simulated on the profile's interconnect.
 3. Activations per repeated layer (keep / recompute / selective / offload, ``activation_policy.py``): keep what
@@ -127,7 +130,7 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
     elif options.clipping:
         decisions.append("objective: the clipped step (options.clipping, the optimizer's max_grad_norm): every CPU "
                          "step speculated during backward is redone after validation")
-    best = _choose_gpu_buckets(ctx, base, recompute, decisions)
+    best = _choose_cast_and_gpu_buckets(ctx, base, recompute, decisions)
     buckets, memory, sim = best
     pinned = _apply_pins(ctx, buckets, decisions)
     if pinned != buckets:
@@ -282,6 +285,54 @@ def _base_buckets(ir: IR, order: list[str], bucket_size: int, ctx: _Context, dec
                                   cast_site=cast_site, link_dtype=grad_dtype, param_link_dtype=param_dtype,
                                   cast_reason=reason, layers=_layers_text(names)))
     return buckets
+
+
+def _cast_to(ctx: _Context, base, site: str, reason: str) -> list:
+    """``base`` with the updated weights of its (stationary) buckets cast on ``site``: "device" (fp32 crosses)
+    or "cpu" (the kernel writes the model's 2-byte dtype in its pass, and that crosses)."""
+    param_dtype = "float32" if site == "device" else ctx.weight_dtype
+    return [dataclasses.replace(b, cast_site=site, param_link_dtype=param_dtype, cast_reason=reason) for b in base]
+
+
+def _choose_cast_and_gpu_buckets(ctx: _Context, base, recompute: str, decisions: list[str]):
+    """The cast site and the GPU-resident bucket count, jointly, by the simulated step: for 2-byte weights the
+    search of GPU buckets runs once per cast site and the faster step wins (ties: the CPU cast, which moves
+    half the weight bytes over the link). fp32 weights have nothing to cast; options.cast_site pins the site
+    the search runs with (its decision line comes with the other pins, _apply_pins)."""
+    if ctx.weight_bytes == 4:
+        return _choose_gpu_buckets(ctx, base, recompute, decisions)
+    pinned = ctx.options.cast_site
+    if pinned is not None:
+        return _choose_gpu_buckets(ctx, _cast_to(ctx, base, pinned, base[0].cast_reason if base else ""), recompute,
+                                   decisions)
+    tried = {}
+    for site in ("cpu", "device"):
+        lines: list[str] = []
+        tried[site] = (_choose_gpu_buckets(ctx, _cast_to(ctx, base, site, ""), recompute, lines), lines)
+    site = min(tried, key=lambda s: tried[s][0][2].step_time)   # min keeps the first ("cpu") on a tie
+    other = "device" if site == "cpu" else "cpu"
+    (buckets, memory, sim), lines = tried[site]
+    crossing = {"cpu": f"the CPU kernel writes {ctx.weight_dtype} weights in its pass and they cross as "
+                       f"{ctx.weight_dtype}", "device": "fp32 weights cross and are cast on the GPU"}
+    mine, theirs = sim.step_time, tried[other][0][2].step_time
+    where = {"cpu": "CPU", "device": "GPU"}
+    if not any(b.optimizer_site == "cpu" and b.weight_mode == "stationary" for b in buckets):
+        verdict = "no CPU-stepped bucket uploads stationary weights: the one with half the link bytes"
+    elif mine < theirs:
+        verdict = (f"simulated step {mine * 1e3:.3f} ms vs {theirs * 1e3:.3f} ms cast on the {where[other]} "
+                   f"({crossing[other]})")
+    else:
+        verdict = (f"the same simulated step either way ({mine * 1e3:.3f} ms: neither the CPU pass nor the uploads "
+                   f"are on its critical path), so the one with half the link bytes")
+    reason = (f"cast on the {where[site]} ({crossing[site]}): {verdict}; "
+              + ("gradients cross as bf16, read directly by the CPU kernel" if ctx.weight_dtype == "bfloat16" else
+                 "fp16 gradients cross as fp32, cast on the GPU (exact; the CPU kernel reads fp32 or bf16)"))
+    first_guess = next(i for i, line in enumerate(decisions) if line.startswith("casts: "))
+    decisions[first_guess] = f"casts: {reason}"
+    decisions.extend(lines)
+    buckets = [dataclasses.replace(b, cast_reason=reason) if b.cast_site == site and b.cast_reason == "" else b
+               for b in buckets]
+    return buckets, memory, sim
 
 
 def _min_device(ctx: _Context, base) -> MemoryEstimate:
