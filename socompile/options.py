@@ -32,6 +32,7 @@ NOT_OPTIONS = {
     "SOCOMPILE_ISA": "socompile_ext/__init__.py: forces the CPU Adam kernel's SIMD path (docs/kernel.md)",
     "SOCOMPILE_PROFILE_DIR": "socompile/hardware/profiles.py: where `calibrate` stores this machine's profile",
     "SOCOMPILE_EMULATION_SEED": "socompile/runtime/emulated_cuda.py: seed of the emulated device's delays",
+    "SOCOMPILE_EMULATION_MAX_DELAY_MS": "socompile/runtime/emulated_cuda.py: longest delay of a queued copy, in ms",
     "SOCOMPILE_DEEPSPEED_PYTHON": "bench/adam.py: the Python interpreter that has DeepSpeed, for the comparison",
 }
 

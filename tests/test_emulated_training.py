@@ -50,6 +50,8 @@ CASES = {
     "bf16_cast_cpu_accumulate2": dict(options=dict(weight_mode="stationary", cast_site="cpu"), dtype=torch.bfloat16,
                                       accumulate=2),
     "clip_nonfinite": dict(options=dict(weight_mode="stationary"), clip=0.05, nan_at=(1,)),
+    # validation on, never clipping: every speculated step is committed (the worker's steps are the final ones)
+    "clip_commits": dict(options=dict(weight_mode="stationary"), clip=1e3),
     "accumulate4": dict(options=dict(weight_mode="stationary"), accumulate=4),
     "activations_offload": dict(options=dict(weight_mode="stationary", activations="offload")),
     "selective_offload": dict(options=dict(weight_mode="stationary", activations="selective_offload")),
@@ -187,6 +189,9 @@ def check_features(case, opt, backend, history, segments=1):
     if case == "clip_nonfinite":
         assert [skipped for skipped, _ in history] == [False, True, False] * segments
         assert all(clipped for skipped, clipped in history if not skipped)   # clipped every finite step
+    if case == "clip_commits":   # validated and committed: the speculated steps were kept
+        assert not any(skipped or clipped for skipped, clipped in history)
+        assert opt.speculator.stats.committed > 0 and opt.speculator.stats.redone == 0
     if "offload" in case:
         assert ctx.activation_offload.stats["fetched_tensors"] > 0
     if case.startswith("bf16"):   # gradients land as they crossed (bf16); the kernel reads them directly

@@ -9,7 +9,9 @@ What it models, and how:
   thread, so "the compute stream waits for an event" blocks that thread (as on the CPU runtime). Every other
   stream is a worker thread with a queue: each queued operation (a copy, a device-side cast, an event record)
   first waits a random delay of 0 to ``max_delay`` seconds drawn from a generator seeded by ``seed``
-  (``SOCOMPILE_EMULATION_SEED``), so copies land late and in varying interleavings. ``wait_event``,
+  (``SOCOMPILE_EMULATION_SEED``; ``SOCOMPILE_EMULATION_MAX_DELAY_MS`` sets ``max_delay``), so copies land
+  late and in varying interleavings; a host thread that waited for a side stream's event resumes after such a
+  delay too (``host_wakeup``). ``wait_event``,
   ``wait_stream``, ``synchronize`` and ``Event.query`` follow CUDA: a side stream's wait is queued (the caller
   does not block), waiting on an event never recorded is a no-op, an event is done once everything queued before
   its record is.
@@ -50,6 +52,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 SEED_ENV = "SOCOMPILE_EMULATION_SEED"
+MAX_DELAY_ENV = "SOCOMPILE_EMULATION_MAX_DELAY_MS"
 DEFAULT_MAX_DELAY = 0.003      # seconds: "a few ms", long against a tiny model's kernels, short for a test
 
 
@@ -60,6 +63,23 @@ def seed_from_environ(environ=None) -> int:
     except ValueError:
         raise ValueError(f"{SEED_ENV} must be an integer seed for the emulated device's delays, got {raw!r}") \
             from None
+
+
+def max_delay_from_environ(environ=None) -> float:
+    """The longest delay of a queued operation, in seconds (``SOCOMPILE_EMULATION_MAX_DELAY_MS``, default 3 ms).
+    Longer than a step (tens of ms on a tiny model), copies land after the host has moved on to the next step,
+    which exposes waits that order work across steps (a host write after an upload, a job the next forward
+    waits for)."""
+    raw = (os.environ if environ is None else environ).get(MAX_DELAY_ENV)
+    if raw is None:
+        return DEFAULT_MAX_DELAY
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"{MAX_DELAY_ENV} must be a non-negative number of milliseconds, got {raw!r}")
+    return value / 1e3
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -109,6 +129,9 @@ class EmulatedEvent:
     def synchronize(self) -> None:
         self._done.wait()
         if self._stream is not None:
+            # A host thread woken by a side stream's event resumes late (descheduled, or a busy core): the CPU
+            # work after the wait (an optimizer job) then runs on into what the training thread does next.
+            self._stream.device.host_wakeup()
             self._stream._raise_errors(self._error_mark)
 
 
@@ -321,6 +344,12 @@ class EmulatedCuda:
         with self._lock:
             self.hazards.append(str(error))
 
+    def host_wakeup(self) -> None:
+        """The seeded delay of a host thread that waited for a side stream's event."""
+        delay = self._delay()
+        if delay:
+            time.sleep(delay)
+
     def _delay(self) -> float:
         with self._lock:
             return self._rng.uniform(0.0, self.max_delay)
@@ -377,4 +406,4 @@ class EmulatedCuda:
 def emulated_device(seed: int) -> EmulatedCuda:
     """The process's emulated device for ``seed`` (one, like torch.cuda's device: every runtime that copies to
     or from it must agree on which memory is host memory)."""
-    return EmulatedCuda(seed=seed)
+    return EmulatedCuda(seed=seed, max_delay=max_delay_from_environ())
