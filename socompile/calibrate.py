@@ -128,21 +128,20 @@ def measure_cold_matmul_flops(n: int, dtype, operand_bytes: int = MATMUL_OPERAND
     different pair of a set ``operand_bytes`` large, as a training step's matmuls read activations and weights
     that other kernels ran over since (~20% slower than one pair multiplied again and again here).
 
-    Each pair is multiplied in the three layouts a linear layer's step uses, once each: the forward's
-    ``x @ W.T``, the input gradient's ``dY @ W`` and the weight gradient's ``dY.T @ X``. Where the CPU has no
+    The pairs take turns at the three layouts a linear layer's step uses: the forward's ``x @ W.T``, the input
+    gradient's ``dY @ W`` and the weight gradient's ``dY.T @ X`` (as many matmuls as one layout would take). Where the CPU has no
     bf16 matrix instructions the layouts differ by up to 7x (an AVX2 EPYC, one thread, side 512: 1.3 GFLOP/s
     for ``a @ b``, 9.6 for ``a @ b.T``), so one layout alone mis-states a training step's matmuls; fp32 differs
     little."""
     import torch
-    pairs = max(2, operand_bytes // (2 * n * n * torch.empty((), dtype=dtype).element_size()))
-    operands = [(torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)) for _ in range(pairs)]
+    pairs = max(3, operand_bytes // (2 * n * n * torch.empty((), dtype=dtype).element_size()))
+    layouts = (lambda a, b: a @ b.t(), lambda a, b: a @ b, lambda a, b: a.t() @ b)
+    operands = [(torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype), layouts[i % 3]) for i in range(pairs)]
 
     def run():
-        for a, b in operands:
-            a @ b.t()
-            a @ b
-            a.t() @ b
-    return 3 * 2 * n**3 * pairs / _best_of(run, repeats, clock)
+        for a, b, multiply in operands:
+            multiply(a, b)
+    return 2 * n**3 * pairs / _best_of(run, repeats, clock)
 
 
 def measure_attention_flops(seq: int, head_dim: int, dtype, backward: bool, repeats: int = MATMUL_REPEATS,
