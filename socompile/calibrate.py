@@ -129,10 +129,10 @@ def measure_cold_matmul_flops(n: int, dtype, operand_bytes: int = MATMUL_OPERAND
     that other kernels ran over since (~20% slower than one pair multiplied again and again here).
 
     The pairs take turns at the three layouts a linear layer's step uses: the forward's ``x @ W.T``, the input
-    gradient's ``dY @ W`` and the weight gradient's ``dY.T @ X`` (as many matmuls as one layout would take). Where the CPU has no
-    bf16 matrix instructions the layouts differ by up to 7x (an AVX2 EPYC, one thread, side 512: 1.3 GFLOP/s
-    for ``a @ b``, 9.6 for ``a @ b.T``), so one layout alone mis-states a training step's matmuls; fp32 differs
-    little."""
+    gradient's ``dY @ W`` and the weight gradient's ``dY.T @ X`` (as many matmuls as one layout would take).
+    Where the CPU has no bf16 matrix instructions the layouts differ by up to 7x (an AVX2 EPYC, one thread,
+    side 512: 1.3 GFLOP/s for ``a @ b``, 9.6 for ``a @ b.T``), so one layout alone mis-states a training
+    step's matmuls; fp32 differs little."""
     import torch
     pairs = max(3, operand_bytes // (2 * n * n * torch.empty((), dtype=dtype).element_size()))
     layouts = (lambda a, b: a @ b.t(), lambda a, b: a @ b, lambda a, b: a.t() @ b)

@@ -90,9 +90,14 @@ NOT_SEEN_BY_TIMING = (
 )
 
 
-def _mutated_tree(tmp_path: pathlib.Path, wait: Wait) -> pathlib.Path:
+def _copied_tree(tmp_path: pathlib.Path) -> pathlib.Path:
     tree = tmp_path / "src"
     shutil.copytree(ROOT / "socompile", tree / "socompile", ignore=shutil.ignore_patterns("__pycache__"))
+    return tree
+
+
+def _mutated_tree(tmp_path: pathlib.Path, wait: Wait) -> pathlib.Path:
+    tree = _copied_tree(tmp_path)
     target = tree / "socompile" / wait.path
     lines = target.read_text().split("\n")
     hits = [i for i, text in enumerate(lines) if text.strip() == wait.line]
@@ -158,7 +163,5 @@ def test_the_waits_the_emulator_cannot_see_yet_still_survive_their_removal(tmp_p
 def test_without_a_mutation_the_same_runs_pass(tmp_path, cases, max_delay_ms):
     """The control: the unchanged sources pass each run a mutant fails (at its longer delays too), so what fails
     a mutant is the wait it removed."""
-    tree = tmp_path / "src"
-    shutil.copytree(ROOT / "socompile", tree / "socompile", ignore=shutil.ignore_patterns("__pycache__"))
-    out = _run_matrix(tree, cases, max_delay_ms)
+    out = _run_matrix(_copied_tree(tmp_path), cases, max_delay_ms)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]

@@ -76,8 +76,8 @@ def max_delay_from_environ(environ=None) -> float:
     try:
         value = float(raw)
     except ValueError:
-        value = -1.0
-    if not value >= 0:
+        value = float("nan")
+    if not value >= 0:   # negative, or not a number
         raise ValueError(f"{MAX_DELAY_ENV} must be a non-negative number of milliseconds, got {raw!r}")
     return value / 1e3
 
