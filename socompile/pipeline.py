@@ -233,7 +233,8 @@ def _bind_activation_runtime(ctx: CompileContext) -> None:
     weights = ctx.offload
     ctx.activation_offload = ActivationOffloadRuntime(weights.device, ledger=weights.ledger, events=weights.events,
                                                       traffic=weights.traffic,
-                                                      host_ledger=ctx.optimizer.host_ledger)
+                                                      host_ledger=ctx.optimizer.host_ledger,
+                                                      host_work=ctx.optimizer.host_work_ledger)
     weights.activations = ctx.activation_offload
 
 

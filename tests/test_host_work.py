@@ -15,7 +15,8 @@ import torch
 
 import socompile
 from socompile.models import build
-from socompile.plan.host_work import ADAM_KERNEL, per_step_host_work
+from socompile.runtime.memory import ACTIVATIONS
+from socompile.plan.host_work import ACTIVATION_COPY, ADAM_KERNEL, per_step_host_work
 from training_helpers import batches, lm_loss, use_emulated_device
 
 HYP = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -33,6 +34,14 @@ CASES = {   # name: (runtime, dtype, options, optimizer arguments, micro-batches
                               {"max_grad_norm": 1e-4, "predict_clipping": False}, 1, "redo"),
     # With prediction on, steps that clipped before hold speculation: the norm first, then one step.
     "cpu fp32, clip predicted": ("cpu", torch.float32, {}, {"max_grad_norm": 1e-4}, 1, "off"),
+    # The CPU build copies each offloaded activation to its host buffer and back on the runtime's worker thread
+    # ("activation copy"); on a device those copies are DMA, no host work (the emulated cases below).
+    "cpu fp32 shared, activation offload": ("cpu", torch.float32, {"activations": "offload"}, {}, 1, "on"),
+    "cpu bf16 separate, selective activation offload": ("cpu", torch.bfloat16, {"activations": "selective_offload"},
+                                                        {}, 1, "on"),
+    "cpu fp32, activation offload, accumulation": ("cpu", torch.float32, {"activations": "offload"},
+                                                   {"grad_accumulation_steps": 2}, 2, "on"),
+    "emulated bf16, activation offload": ("emulated", torch.bfloat16, {"activations": "offload"}, {}, 1, "on"),
     "emulated fp32 stationary": ("emulated", torch.float32, {}, {}, 1, "on"),
     "emulated bf16 stationary, cast on the host": ("emulated", torch.bfloat16, {"cast_site": "cpu"}, {}, 1, "on"),
     "emulated bf16 stationary, cast on the device": ("emulated", torch.bfloat16, {"cast_site": "device"}, {}, 1,
@@ -79,6 +88,9 @@ def test_the_host_cpu_work_of_a_step_is_the_plans(monkeypatch, case):
                                    host_is_device=runtime == "cpu")
     assert any(b.optimizer_site == "cpu" for b in ctx.plan.buckets)
     assert ADAM_KERNEL in predicted
+    # the activation cases are about activation copies: on the CPU build there are some, on a device none
+    offloading = options.get("activations", "keep") != "keep"
+    assert (ACTIVATION_COPY in predicted) == (offloading and runtime == "cpu")
     assert opt.host_work() == predicted
 
 
@@ -124,4 +136,9 @@ def test_the_plan_report_states_the_host_cpu_work_the_runtime_does(monkeypatch, 
     # speculation, no ping-pong spares (seen failing before: the plan counted 5.5 MB of spares the runtime never
     # made, its steps taken in step() after validation)
     held = {k: v["pinned"] + v["pageable"] for k, v in opt.host_memory()["by_purpose"].items()}
-    assert dict(ctx.plan.prediction("host_parts")) == held
+    planned_parts = dict(ctx.plan.prediction("host_parts"))
+    # the plan's parts are its peak's (the end of a forward); after the step, the backward has taken the offloaded
+    # activations back (their host copies at the peak: tests/test_host_memory.py)
+    assert held.get(ACTIVATIONS, 0) == 0
+    planned_parts.pop(ACTIVATIONS, None)
+    assert planned_parts == held

@@ -19,16 +19,26 @@ Per CPU-stepped bucket, for each pass the optimizer's runtime makes over host me
     upload copy       the CPU build only, where the "device" weights are host memory: the updated master copied
                       into the weights of a separate master with fp32 weights (bf16 ones were written by the kernel).
 
+Per step, outside the buckets:
+
+    activation copy   the CPU build only: each saved tensor of an offloaded layer copied into its host buffer in
+                      forward and back into a fresh "device" buffer in backward, by the runtime's worker thread
+                      (on a GPU these are DMA copies, no CPU work). Its bytes each way are the link traffic's
+                      activation terms (plan/transfers.py), so the two ledgers cannot disagree.
+
 ``adam_kernel_bytes`` (hardware/cpu_adam.py) and the others are the formulas: the runtime books each pass with them at the pass
 (``socompile.AdamW.host_work()``), ``per_step_host_work`` sums them over a plan, and the
-simulator's CPU task of a bucket is its ``adam kernel`` bytes at the CPU's Adam bandwidth. ZeRO (a rank's shard),
-activation copies of the CPU build and the first step's one-off casts are not among these terms yet.
+simulator's CPU task of a bucket is its ``adam kernel`` bytes at the CPU's Adam bandwidth. ZeRO (a rank's shard)
+and the first step's one-off casts are not among these terms yet.
 """
 from __future__ import annotations
 
 from ..dtypes import dtype_bytes
 from ..hardware.cpu_adam import adam_kernel_bytes
+from ..ledger_names import ACTIVATION_FETCH, ACTIVATION_OFFLOAD
+from ..options import OFFLOADED_CHOICES
 from .bucketize import ALIGN
+from .transfers import per_step_traffic
 
 __all__ = ["adam_kernel_bytes", "bucket_host_work", "kernel_writes_low_copy", "per_step_host_work"]
 
@@ -40,7 +50,9 @@ SPARE_COPY = "spare copy"
 HOST_CAST = "host cast"
 INVERSE_STEP = "inverse step"
 GRADIENT_COPY = "gradient copy"
-PURPOSES = (ADAM_KERNEL, NORM_PASS, ACCUMULATION_ADD, GRADIENT_COPY, UPLOAD_COPY, SPARE_COPY, HOST_CAST, INVERSE_STEP)
+ACTIVATION_COPY = "activation copy"
+PURPOSES = (ADAM_KERNEL, NORM_PASS, ACCUMULATION_ADD, GRADIENT_COPY, UPLOAD_COPY, SPARE_COPY, HOST_CAST, INVERSE_STEP,
+            ACTIVATION_COPY)
 
 
 def kernel_writes_low_copy(b, *, shared_master: bool, weight_bytes: int) -> bool:
@@ -98,10 +110,24 @@ def bucket_host_work(b, sizes: list[int], *, shared_master: bool, weight_bytes: 
     return out
 
 
-def per_step_host_work(plan, ir, **facts) -> dict[str, tuple[int, int]]:
+def activation_copy_bytes(plan, ir, micro_batches: int = 1, layers=None) -> int:
+    """Bytes of saved activations one step copies each way (offload in forward, fetch in backward): the link
+    traffic's activation terms (plan/transfers.py ``per_step_traffic``; ``layers`` as there). On the CPU build a
+    copy reads and writes that many bytes."""
+    traffic = per_step_traffic(plan, ir, micro_batches, layers=layers)
+    return sum(v for (_, _, purpose), v in traffic.items() if purpose in (ACTIVATION_OFFLOAD, ACTIVATION_FETCH))
+
+
+def per_step_host_work(plan, ir, layers=None, **facts) -> dict[str, tuple[int, int]]:
     """{purpose: (read, written)} of one step of ``plan``, summed over its buckets (``bucket_host_work``'s
-    keyword arguments in ``facts``), in the keys of ``socompile.AdamW.host_work()``."""
+    keyword arguments in ``facts``), in the keys of ``socompile.AdamW.host_work()``; on the CPU build
+    (``host_is_device``) with the activation copies of the layers it offloads (``layers``: perf/analysis.py
+    LayerCosts, analysed at the trace shapes when not given)."""
     total: dict[str, tuple[int, int]] = {}
+    if facts.get("host_is_device") and any(c in OFFLOADED_CHOICES for _, c in plan.activations):
+        moved = activation_copy_bytes(plan, ir, facts.get("micro_batches", 1), layers)
+        if moved:
+            total[ACTIVATION_COPY] = (moved, moved)
     for b in plan.buckets:
         sizes = [int(ir.params[p].numel) for p in b.params]
         for purpose, (r, w) in bucket_host_work(b, sizes, **facts).items():

@@ -191,9 +191,10 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
     # What the host CPU reads and writes per step (one micro-batch), by purpose: the terms opt.host_work()
     # books (plan/host_work.py); with clipping, the clipped step's (every speculated CPU step taken again).
     layout = host_layout(options, weight_bytes)
-    work = per_step_host_work(final, ir, shared_master=layout.shared_master, weight_bytes=weight_bytes,
-                              validating=bool(options.clipping), speculation=_speculation(options),
-                              host_is_device=options.runtime == "cpu", moment_bytes=layout.moment_bytes)
+    work = per_step_host_work(final, ir, layers=costs.layers, shared_master=layout.shared_master,
+                              weight_bytes=weight_bytes, validating=bool(options.clipping),
+                              speculation=_speculation(options), host_is_device=options.runtime == "cpu",
+                              moment_bytes=layout.moment_bytes)
     final = dataclasses.replace(final, predicted=final.predicted + (
         ("link_bytes_per_step", tuple((" ".join(key), int(v)) for key, v in sorted(traffic.items()))),
         ("host_work_bytes_per_step", tuple((purpose, int(r), int(w)) for purpose, (r, w) in sorted(work.items()))),

@@ -40,7 +40,8 @@ from . import handles, ranges
 from .device import DeviceRuntime
 from .events import EventLog
 from .memory import ACTIVATIONS, DeviceLedger, HostLedger
-from .traffic import ACTIVATION_FETCH, ACTIVATION_OFFLOAD, TrafficLedger
+from ..plan.host_work import ACTIVATION_COPY, copy_bytes
+from .traffic import ACTIVATION_FETCH, ACTIVATION_OFFLOAD, HostWorkLedger, TrafficLedger
 
 IN_FLIGHT = "offloaded activations in flight"
 _REMEMBERED = 100_000
@@ -68,9 +69,12 @@ def offloadable(t: torch.Tensor) -> bool:
 
 class ActivationOffloadRuntime:
     def __init__(self, device: DeviceRuntime, ledger: DeviceLedger | None = None, events: EventLog | None = None,
-                 traffic: TrafficLedger | None = None, host_ledger: HostLedger | None = None):
+                 traffic: TrafficLedger | None = None, host_ledger: HostLedger | None = None,
+                 host_work: HostWorkLedger | None = None):
         self.device = device
         self.traffic = traffic if traffic is not None else TrafficLedger()
+        # the CPU build's copies are the host CPU's work (the optimizer's opt.host_work()); a GPU's are DMA
+        self.host_work = host_work if host_work is not None else HostWorkLedger()
         self.host_ledger = host_ledger   # books the host copies (the optimizer's, opt.host_memory())
         self.stream = device.stream("activations")
         self.ledger = ledger if ledger is not None else DeviceLedger()
@@ -100,6 +104,7 @@ class ActivationOffloadRuntime:
         self._remember(host, nbytes)
         self.traffic.add("d2h", t.dtype, ACTIVATION_OFFLOAD, nbytes)
         if self.device.kind == "cpu":
+            self.host_work.add_work(ACTIVATION_COPY, copy_bytes(t.numel(), t.element_size(), t.element_size()))
             held = [t]       # the runtime's reference to t, dropped as soon as the copy is done
 
             def copy():
@@ -139,6 +144,9 @@ class ActivationOffloadRuntime:
             nbytes = host.numel() * host.element_size()
             self.ledger.alloc(IN_FLIGHT, ("fetch", key), nbytes)
             self.traffic.add("h2d", host.dtype, ACTIVATION_FETCH, nbytes)
+            if self.device.kind == "cpu":
+                self.host_work.add_work(ACTIVATION_COPY, copy_bytes(host.numel(), host.element_size(),
+                                                                    host.element_size()))
             done = self.device.copy_async(dst, host, self.stream)
             self._fetching[key] = (dst, host, done)      # host kept until the wait: the copy reads it
             self.stats["fetched_tensors"] += 1
