@@ -134,6 +134,59 @@ def test_a_copy_destination_touched_before_the_copy_landed_is_a_hazard(misuse, m
         done.synchronize()
 
 
+def _copy_without_waiting_for_compute(rt, dst, src, stream):
+    """What copy_async queues, less its wait_stream(compute)."""
+    return stream.submit(lambda: dst.copy_(src, non_blocking=True))
+
+
+def test_a_copy_not_ordered_after_the_graphs_compute_work_is_a_hazard_naming_the_missing_wait():
+    # Risk: the emulated compute stream has always finished by the time a side stream is handed work, so a
+    # side stream that does not wait for it (a gradient or an activation copied before the kernel that writes
+    # it ran, on CUDA) would copy the right bytes here. The device counts the order instead.
+    rt, api = runtime()
+    grad = torch.ones(64)                             # device memory the graph just wrote
+    host = rt.host_buffer(64, torch.float32)
+    done = _copy_without_waiting_for_compute(rt, host, grad, rt.stream("d2h"))
+    with pytest.raises(EmulatedHazard, match=r"stream 's\d+', op copy_: the copy was queued without waiting "
+                                             r"for the compute stream's work .* tensor\(64,\) float32"):
+        done.synchronize()
+    assert host.isnan().all()                         # its result is poisoned, not silently right
+
+
+def test_an_order_after_compute_holds_through_an_event_of_another_stream_until_the_graph_issues_more_work():
+    rt, api = runtime()
+    a, b = rt.stream("a"), rt.stream("b")
+    grad, host = torch.ones(64), rt.host_buffer(64, torch.float32)
+    a.stream.wait_stream(api.current_stream())        # a is ordered after the graph's work so far
+    marker = api.new_event()
+    marker.record(a.stream)                           # after that wait
+    b.wait_event(dev.CUDAEvent(marker))               # b is ordered after it: fine without its own wait
+    _copy_without_waiting_for_compute(rt, host, grad, b).synchronize()
+    # that submission handed the graph's work on: b is not ordered after what the graph does next
+    done = _copy_without_waiting_for_compute(rt, host, grad, b)
+    with pytest.raises(EmulatedHazard, match="without waiting for the compute stream"):
+        done.synchronize()
+    api.hazards.clear()
+    host_only = rt.host_buffer(64, torch.float32)     # host to host: no device memory, nothing to order
+    _copy_without_waiting_for_compute(rt, host_only, host, rt.stream("c")).synchronize()
+    assert not api.hazards
+
+
+def test_copies_queued_by_the_runtimes_own_threads_are_ordered_by_their_events_not_checked():
+    # The CPU optimizer worker runs no graph: its uploads are ordered by the gradient events they wait for
+    # (and by copy_async's wait); the device does not know which compute work touched their memory.
+    rt, api = runtime()
+    weights, master = torch.zeros(64), rt.host_buffer(64, torch.float32)
+    master.fill_(2.0)
+    result = []
+    worker = threading.Thread(name="socompile-cpu-optimizer_0", target=lambda: result.append(
+        _copy_without_waiting_for_compute(rt, weights, master, rt.stream("h2d"))))
+    worker.start()
+    worker.join()
+    result[0].synchronize()
+    assert not api.hazards and torch.equal(weights, torch.full((64,), 2.0))
+
+
 def test_the_delays_are_seeded():
     draws = [[EmulatedCuda(seed=s)._delay() for _ in range(5)] for s in (1, 1, 2)]
     assert draws[0] == draws[1] != draws[2]

@@ -26,8 +26,8 @@ Per step, outside the buckets:
                       (on a GPU these are DMA copies, no CPU work). Its bytes each way are the link traffic's
                       activation terms (plan/transfers.py), so the two ledgers cannot disagree.
 
-``adam_kernel_bytes`` (hardware/cpu_adam.py) and the others are the formulas: the runtime books each pass with them at the pass
-(``socompile.AdamW.host_work()``), ``per_step_host_work`` sums them over a plan, and the
+``adam_kernel_bytes`` (hardware/cpu_adam.py) and the others are the formulas: the runtime books each pass with
+them at the pass (``socompile.AdamW.host_work()``), ``per_step_host_work`` sums them over a plan, and the
 simulator's CPU task of a bucket is its ``adam kernel`` bytes at the CPU's Adam bandwidth. ZeRO (a rank's shard)
 and the first step's one-off casts are not among these terms yet.
 """
@@ -88,8 +88,9 @@ def bucket_host_work(b, sizes: list[int], *, shared_master: bool, weight_bytes: 
                      moment_bytes: int = 4) -> dict[str, tuple[int, int]]:
     """{purpose: (read, written)} of CPU bucket ``b`` (a BucketPlan; ``sizes``: its parameters' elements) in one
     step. ``speculation``: "on" (stepped as its gradients arrive; a validation that does not clip commits),
-    "off" (stepped after backward, or held back by a predicted or certain clip: validation first reads the norm), "redo" (speculated, then clipped: stepped
-    again). ``host_is_device``: the CPU build. ``moment_bytes``: 4 (fp32 moments) or 2 (bf16)."""
+    "off" (stepped after backward, or held back by a predicted or certain clip: validation first reads the
+    norm), "redo" (speculated, then clipped: stepped again). ``host_is_device``: the CPU build.
+    ``moment_bytes``: 4 (fp32 moments) or 2 (bf16)."""
     if b.optimizer_site != "cpu":
         return {}
     elements = kernel_elements(sizes)
@@ -110,22 +111,24 @@ def bucket_host_work(b, sizes: list[int], *, shared_master: bool, weight_bytes: 
     return out
 
 
-def activation_copy_bytes(plan, ir, micro_batches: int = 1, layers=None) -> int:
-    """Bytes of saved activations one step copies each way (offload in forward, fetch in backward): the link
-    traffic's activation terms (plan/transfers.py ``per_step_traffic``; ``layers`` as there). On the CPU build a
+def activation_copy_bytes(traffic: dict) -> int:
+    """Bytes of saved activations one step copies each way (offload in forward, fetch in backward): the
+    activation terms of the step's link traffic (plan/transfers.py ``per_step_traffic``). On the CPU build a
     copy reads and writes that many bytes."""
-    traffic = per_step_traffic(plan, ir, micro_batches, layers=layers)
     return sum(v for (_, _, purpose), v in traffic.items() if purpose in (ACTIVATION_OFFLOAD, ACTIVATION_FETCH))
 
 
-def per_step_host_work(plan, ir, layers=None, **facts) -> dict[str, tuple[int, int]]:
+def per_step_host_work(plan, ir, layers=None, traffic: dict | None = None, **facts) -> dict[str, tuple[int, int]]:
     """{purpose: (read, written)} of one step of ``plan``, summed over its buckets (``bucket_host_work``'s
     keyword arguments in ``facts``), in the keys of ``socompile.AdamW.host_work()``; on the CPU build
-    (``host_is_device``) with the activation copies of the layers it offloads (``layers``: perf/analysis.py
-    LayerCosts, analysed at the trace shapes when not given)."""
+    (``host_is_device``) with the activation copies of the layers it offloads, taken from the step's link
+    ``traffic`` (``per_step_traffic`` at the same micro-batches; computed here when not given, from ``layers``:
+    perf/analysis.py LayerCosts, analysed at the trace shapes when not given)."""
     total: dict[str, tuple[int, int]] = {}
     if facts.get("host_is_device") and any(c in OFFLOADED_CHOICES for _, c in plan.activations):
-        moved = activation_copy_bytes(plan, ir, facts.get("micro_batches", 1), layers)
+        if traffic is None:
+            traffic = per_step_traffic(plan, ir, facts.get("micro_batches", 1), layers=layers)
+        moved = activation_copy_bytes(traffic)
         if moved:
             total[ACTIVATION_COPY] = (moved, moved)
     for b in plan.buckets:

@@ -191,7 +191,7 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
     # What the host CPU reads and writes per step (one micro-batch), by purpose: the terms opt.host_work()
     # books (plan/host_work.py); with clipping, the clipped step's (every speculated CPU step taken again).
     layout = host_layout(options, weight_bytes)
-    work = per_step_host_work(final, ir, layers=costs.layers, shared_master=layout.shared_master,
+    work = per_step_host_work(final, ir, traffic=traffic, shared_master=layout.shared_master,
                               weight_bytes=weight_bytes, validating=bool(options.clipping),
                               speculation=_speculation(options), host_is_device=options.runtime == "cpu",
                               moment_bytes=layout.moment_bytes)

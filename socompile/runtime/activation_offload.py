@@ -36,11 +36,11 @@ import itertools
 
 import torch
 
+from ..plan.host_work import ACTIVATION_COPY, copy_bytes
 from . import handles, ranges
 from .device import DeviceRuntime
 from .events import EventLog
 from .memory import ACTIVATIONS, DeviceLedger, HostLedger
-from ..plan.host_work import ACTIVATION_COPY, copy_bytes
 from .traffic import ACTIVATION_FETCH, ACTIVATION_OFFLOAD, HostWorkLedger, TrafficLedger
 
 IN_FLIGHT = "offloaded activations in flight"

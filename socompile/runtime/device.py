@@ -255,7 +255,7 @@ class CUDARuntime(DeviceRuntime):
         destination's dtype. The gradient D2H path needs no conversion: the host landing buffer has the plan's
         link dtype, the dtype the backward graph hands over (passes/cast_gradients.py)."""
         pairs = list(pairs)
-        stream.stream.wait_stream(self.api.current_stream())
+        stream.stream.wait_stream(self.api.current_stream())   # once, for all the pairs
 
         def copies():
             for dst, src in pairs:

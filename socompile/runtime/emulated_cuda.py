@@ -15,6 +15,16 @@ What it models, and how:
   ``wait_stream``, ``synchronize`` and ``Event.query`` follow CUDA: a side stream's wait is queued (the caller
   does not block), waiting on an event never recorded is a no-op, an event is done once everything queued before
   its record is.
+* **Order after compute.** The compute stream's kernels are not seen (they run at once), but the order of
+  a side stream after them is: each side stream keeps its *horizon*, how far into the compute work each host
+  thread issued it is ordered (a count of that thread's submissions to side streams, the points at which the
+  graph's work in between is handed on); ``wait_stream(compute)`` and waiting for an event recorded on
+  compute raise it to now, waiting for a side stream's event raises it to that stream's horizon at the
+  record. A copy touching device memory, queued by a thread that runs the graph, must be ordered after all
+  the compute work that thread issued before it: on CUDA it could otherwise run before the kernels that
+  write its source (a gradient, a saved activation) or still read its destination. Such a copy is a hazard.
+  Threads of socompile's runtime (names starting ``socompile``: the CPU optimizer worker) issue no compute
+  work; their copies are ordered by the events they wait for, which the emulator does not check.
 * **Current stream.** As on CUDA (legacy default stream), every thread's current stream is the device's default
   stream, the compute stream, unless the thread entered ``use_stream``.
 * **Device memory.** A model on the CPU is the device: every tensor is device memory except the host buffers
@@ -106,6 +116,14 @@ def _poison(t: torch.Tensor) -> None:
         t.fill_(float("nan"))
 
 
+RUNTIME_THREAD_PREFIX = "socompile"   # socompile's own threads (CPU optimizer worker): they run no graph
+
+
+def _issues_compute_work() -> bool:
+    """Whether the calling thread runs the graph (issues compute-stream work), as opposed to a runtime thread."""
+    return not threading.current_thread().name.startswith(RUNTIME_THREAD_PREFIX)
+
+
 class EmulatedHazard(RuntimeError):
     """A race the emulated device saw: memory rewritten, released or read out of the order CUDA guarantees."""
 
@@ -117,6 +135,7 @@ class EmulatedEvent:
         self._done.set()              # an event never recorded is complete (CUDA: query() is True)
         self._stream = None
         self._error_mark = 0
+        self._horizon: dict = {}   # the compute work the recording stream was ordered after
 
     def record(self, stream) -> None:
         self._done = threading.Event()
@@ -146,6 +165,7 @@ class _ComputeStream:
         self.device = device
 
     def _enqueue_record(self, event: EmulatedEvent) -> None:
+        event._horizon = self.device.compute_issued()
         event._done.set()
 
     def _raise_errors(self, mark: int) -> None:
@@ -175,6 +195,9 @@ class _SideStream:
         self.name = name
         self._queue: queue.Queue = queue.Queue()
         self._errors: list[EmulatedHazard] = []
+        # How far into each thread's compute work the waits queued so far order this stream (module docstring,
+        # "Order after compute"); read and raised under the device's lock, at queue time.
+        self.horizon: dict = {}
         self._thread = threading.Thread(target=self._run, name=f"socompile-emulated-{name}", daemon=True)
         self._thread.start()
         # A daemon thread still inside a torch op when the interpreter finalizes aborts the process ("terminate
@@ -209,6 +232,7 @@ class _SideStream:
 
     def _enqueue_record(self, event: EmulatedEvent) -> None:
         event._error_mark = len(self._errors)    # errors up to here: filled when the record runs
+        event._horizon = self.device.horizon_of(self)
         marker = event._done
 
         def record():
@@ -223,12 +247,15 @@ class _SideStream:
     def wait_event(self, event: EmulatedEvent) -> None:
         if event.query() and event._stream is None:
             return                    # never recorded: nothing to wait for
+        self.device.order_after(self, event._horizon)
         done = event._done
         self._put(done.wait)          # this stream's thread blocks, not the caller
 
     def wait_stream(self, other) -> None:
         if isinstance(other, _ComputeStream):
-            return                    # the compute stream's work so far is done (it ran on the caller's thread)
+            # its work so far is done (it ran on the caller's thread); what this stream is now ordered after
+            self.device.order_after(self, self.device.compute_issued())
+            return
         marker = EmulatedEvent()
         marker.record(other)
         self.wait_event(marker)
@@ -275,6 +302,7 @@ class EmulatedCuda:
         self._host: dict[int, weakref.ref] = {}   # storages of pinned host buffers, by data pointer
         self._prune_at = 1024
         self._pending: dict[tuple, int] = {}       # memory region -> queued copies reading or writing it
+        self._submissions: dict[int, int] = {}     # graph thread -> its submissions to side streams so far
         self.hazards: list[str] = []
         self.counts = {"copies": 0, "device_casts": 0, "record_stream": 0, "streams": 0}
 
@@ -302,6 +330,11 @@ class EmulatedCuda:
                 yield
         finally:
             self._local.stream = previous
+            if isinstance(stream, _SideStream) and _issues_compute_work():
+                # what the graph's thread does after this submission is compute work it is not ordered after
+                with self._lock:
+                    thread = threading.get_ident()
+                    self._submissions[thread] = self._submissions.get(thread, 0) + 1
 
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         if not self.is_device(tensor):
@@ -333,6 +366,36 @@ class EmulatedCuda:
         program (a test runs several seeds on one compiled model instead of compiling it once per seed)."""
         with self._lock:
             self.seed, self._rng = seed, random.Random(seed)
+
+    # --- order after compute (module docstring)
+    def compute_issued(self) -> dict:
+        """The compute work issued so far, per graph thread: what a wait on the compute stream orders after.
+        Key ``None``: every thread not named, whose work so far precedes its first submission (count 0)."""
+        with self._lock:
+            return {None: 0, **self._submissions}
+
+    def horizon_of(self, stream: _SideStream) -> dict:
+        with self._lock:
+            return dict(stream.horizon)
+
+    def order_after(self, stream: _SideStream, horizon: dict) -> None:
+        """Work queued on ``stream`` from now on runs after the compute work ``horizon`` counts."""
+        with self._lock:
+            for thread, issued in horizon.items():
+                stream.horizon[thread] = max(stream.horizon.get(thread, -1), issued)
+
+    def _unordered(self, stream: _SideStream, dst: torch.Tensor, src: torch.Tensor) -> str | None:
+        """Why a copy queued now on ``stream`` may run before compute work it depends on (None: it may not).
+        Called with the lock held."""
+        if not _issues_compute_work() or not (self.is_device(dst) or self.is_device(src)):
+            return None
+        thread = threading.get_ident()
+        if stream.horizon.get(thread, stream.horizon.get(None, -1)) >= self._submissions.get(thread, 0):
+            return None
+        which = dst if self.is_device(dst) else src
+        return (f"the copy was queued without waiting for the compute stream's work issued before it (no "
+                f"wait_stream(compute) or wait on an event recorded after that work): on CUDA it may run before "
+                f"the kernels that write or read device {_describe(which)}")
 
     # --- checks
     def check(self) -> None:
@@ -366,6 +429,7 @@ class EmulatedCuda:
                     self.counts["device_casts"] += 1
                 src_queued = self._pending.get(src_key, 0) > 0
                 dst_queued = self._pending.get(dst_key, 0) > 0
+                unordered = self._unordered(stream, dst, src)
                 for key in {src_key, dst_key}:
                     self._pending[key] = self._pending.get(key, 0) + 1
             snapshot = None if src_queued else src.clone()
@@ -375,7 +439,7 @@ class EmulatedCuda:
 
             def copy():
                 try:
-                    self._run_copy(dst, src, snapshot, not dst_queued, where)
+                    self._run_copy(dst, src, snapshot, not dst_queued, where, unordered)
                 finally:
                     with self._lock:
                         for key in {src_key, dst_key}:
@@ -386,8 +450,12 @@ class EmulatedCuda:
         return dst
 
     @staticmethod
-    def _run_copy(dst: torch.Tensor, src: torch.Tensor, snapshot, check_dst: bool, where: str) -> None:
+    def _run_copy(dst: torch.Tensor, src: torch.Tensor, snapshot, check_dst: bool, where: str,
+                  unordered: str | None = None) -> None:
         with torch._C.DisableTorchFunction():
+            if unordered is not None:
+                _poison(dst)
+                raise EmulatedHazard(f"{where}: {unordered}")
             if not src.untyped_storage().nbytes() or not dst.untyped_storage().nbytes():
                 which = src if not src.untyped_storage().nbytes() else dst
                 raise EmulatedHazard(f"{where}: {_describe(which)} was released while the copy was still queued")
