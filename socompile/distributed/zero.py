@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..optim.bucket_layout import alias_state
+from ..plan.host_work import GATHER_COPIES, REDUCE_COPIES, copy_bytes
 from ..runtime.host_master import upload_order
 from ..runtime.sharded_bucket import widen_from_gathered, zero_pool
 from . import zero_device, zero_gather
@@ -152,6 +153,9 @@ class ZeroSharding:
         if shard.padded != bucket.numel or send.dtype != bucket.state_dtype:   # a bf16 landing buffer: sum in fp32
             send = torch.zeros(shard.padded, dtype=bucket.state_dtype)
             send[:bucket.numel].copy_(bucket.grad)
+            bucket.host_work.add_work(REDUCE_COPIES, (0, send.numel() * send.element_size()))   # the zeros
+            bucket.host_work.add_work(REDUCE_COPIES, copy_bytes(bucket.numel, bucket.grad.element_size(),
+                                                                send.element_size()))
         recv = torch.empty(shard.chunk, dtype=bucket.state_dtype)
         with guard(f"reduce-scatter of bucket {bucket.index}", self.group):
             work = dist.reduce_scatter_single(recv, send, op=dist.ReduceOp.SUM, group=self.group, async_op=True) \
@@ -178,6 +182,9 @@ class ZeroSharding:
         shard = self.shard_of(bucket)
         recv.div_(self.world)
         bucket.take_reduced_shard(shard.lo, recv[:shard.hi - shard.lo])
+        size = recv.element_size()
+        bucket.host_work.add_work(REDUCE_COPIES, copy_bytes(recv.numel(), size, size))   # the division
+        bucket.host_work.add_work(REDUCE_COPIES, copy_bytes(shard.hi - shard.lo, size, bucket.grad.element_size()))
         self._reduced.add(id(bucket))
 
     def discard(self, buckets) -> None:
@@ -237,6 +244,10 @@ class ZeroSharding:
                     dist.all_gather_into_tensor(dst, src, group=self.group)
             bucket.before_host_write()   # separate master, CUDA: an upload still reading the master is done
             bucket.master.copy_(full[:bucket.numel])
+            size = bucket.master.element_size()
+            for work in ((0, mine.numel() * size), copy_bytes(shard.hi - shard.lo, size, size),
+                         copy_bytes(bucket.numel, size, size)):   # the zeros, the window, the gathered master
+                bucket.host_work.add_work(GATHER_COPIES, work)
             if bucket.mirror:   # the device weights (a flow bucket: the bf16 stage) are cast again from all of it
                 bucket.master_changed()
             nbytes = full.numel() * full.element_size()

@@ -19,6 +19,21 @@ Per CPU-stepped bucket, for each pass the optimizer's runtime makes over host me
     upload copy       the CPU build only, where the "device" weights are host memory: the updated master copied
                       into the weights of a separate master with fp32 weights (bf16 ones were written by the kernel).
 
+Per CPU-stepped bucket on rank r of W ZeRO ranks, the host path (``shard_layout`` "window": the CPU build): the
+kernel steps the rank's window only, the whole gradients land in the state dtype, and a step into the window's
+spare writes no 2-byte copy (the commit casts the whole bucket after the all-gather: ``host cast``). Beside:
+
+    reduce copies     the gradients staged into a buffer padded to W chunks (when the bucket is not a multiple of
+                      W), the received chunk divided by W, and the rank's shard of it copied into the landing
+                      buffer (distributed/zero.py start_reduce, finish_reduce).
+    gather copies     the rank's window staged into a chunk for the all-gather and the gathered weights copied into
+                      the whole master (zero.py gather).
+    spare copy        the commit of a step speculated into the spare exchanges the master's window with the spare's
+                      (the model aliases the master, so its buffer stays): three copies of the window. A redone
+                      or unspeculated step is taken in place.
+
+What gloo itself reads and writes inside a collective is not booked (its algorithm's, not a pass of ours).
+
 Per step, outside the buckets:
 
     activation copy   the CPU build only: each saved tensor of an offloaded layer copied into its host buffer in
@@ -28,8 +43,8 @@ Per step, outside the buckets:
 
 ``adam_kernel_bytes`` (hardware/cpu_adam.py) and the others are the formulas: the runtime books each pass with
 them at the pass (``socompile.AdamW.host_work()``), ``per_step_host_work`` sums them over a plan, and the
-simulator's CPU task of a bucket is its ``adam kernel`` bytes at the CPU's Adam bandwidth. ZeRO (a rank's shard)
-and the first step's one-off casts are not among these terms yet.
+simulator's CPU task of a bucket is its ``adam kernel`` bytes at the CPU's Adam bandwidth. Not among these terms
+yet: the first step's one-off casts, and device-side ZeRO (``shard_layout`` "chunk", a CUDA runtime).
 """
 from __future__ import annotations
 
@@ -37,7 +52,8 @@ from ..dtypes import dtype_bytes
 from ..hardware.cpu_adam import adam_kernel_bytes
 from ..ledger_names import ACTIVATION_FETCH, ACTIVATION_OFFLOAD
 from ..options import OFFLOADED_CHOICES
-from .bucketize import ALIGN
+from .bucket_buffers import shard_window
+from .bucketize import ALIGN, padded_numel
 from .transfers import per_step_traffic
 
 __all__ = ["adam_kernel_bytes", "bucket_host_work", "kernel_writes_low_copy", "per_step_host_work"]
@@ -51,8 +67,10 @@ HOST_CAST = "host cast"
 INVERSE_STEP = "inverse step"
 GRADIENT_COPY = "gradient copy"
 ACTIVATION_COPY = "activation copy"
+REDUCE_COPIES = "reduce copies"
+GATHER_COPIES = "gather copies"
 PURPOSES = (ADAM_KERNEL, NORM_PASS, ACCUMULATION_ADD, GRADIENT_COPY, UPLOAD_COPY, SPARE_COPY, HOST_CAST, INVERSE_STEP,
-            ACTIVATION_COPY)
+            ACTIVATION_COPY, REDUCE_COPIES, GATHER_COPIES)
 
 
 def kernel_writes_low_copy(b, *, shared_master: bool, weight_bytes: int) -> bool:
@@ -85,17 +103,20 @@ def kernel_elements(sizes: list[int], align: int = ALIGN) -> int:
 
 def bucket_host_work(b, sizes: list[int], *, shared_master: bool, weight_bytes: int, validating: bool,
                      speculation: str = "on", micro_batches: int = 1, host_is_device: bool = False,
-                     moment_bytes: int = 4) -> dict[str, tuple[int, int]]:
+                     moment_bytes: int = 4, rank: int = 0, world: int = 1) -> dict[str, tuple[int, int]]:
     """{purpose: (read, written)} of CPU bucket ``b`` (a BucketPlan; ``sizes``: its parameters' elements) in one
     step. ``speculation``: "on" (stepped as its gradients arrive; a validation that does not clip commits),
     "off" (stepped after backward, or held back by a predicted or certain clip: validation first reads the
     norm), "redo" (speculated, then clipped: stepped again). ``host_is_device``: the CPU build.
-    ``moment_bytes``: 4 (fp32 moments) or 2 (bf16)."""
+    ``moment_bytes``: 4 (fp32 moments) or 2 (bf16). ``rank`` of ``world``: ZeRO's host path (module doc)."""
     if b.optimizer_site != "cpu":
         return {}
-    elements = kernel_elements(sizes)
-    grad_bytes = 4 if shared_master else dtype_bytes(b.link_dtype)
-    low_copy = kernel_writes_low_copy(b, shared_master=shared_master, weight_bytes=weight_bytes)
+    sharded = world > 1
+    numel = padded_numel(sizes, ALIGN)
+    lo, hi = shard_window(numel, rank, world)
+    elements = max(0, min(kernel_elements(sizes), hi) - lo)   # the kernel's run, cut to this rank's window
+    grad_bytes = 4 if shared_master or sharded else dtype_bytes(b.link_dtype)
+    low_copy = not sharded and kernel_writes_low_copy(b, shared_master=shared_master, weight_bytes=weight_bytes)
     read, written = adam_kernel_bytes(elements, grad_bytes, low_copy, moment_bytes)
     passes = 2 if speculation == "redo" and validating else 1
     out = {ADAM_KERNEL: (read * passes, written * passes)}
@@ -107,7 +128,31 @@ def bucket_host_work(b, sizes: list[int], *, shared_master: bool, weight_bytes: 
         r, w = add_bytes(sum(sizes), grad_bytes)
         out[ACCUMULATION_ADD] = (r * (micro_batches - 1), w * (micro_batches - 1))
     if host_is_device and not shared_master and weight_bytes == 4 and b.weight_mode == "stationary":
-        out[UPLOAD_COPY] = copy_bytes(sum(-(-n // ALIGN) * ALIGN for n in sizes), 4, 4)   # the whole buffer
+        out[UPLOAD_COPY] = copy_bytes(numel, 4, 4)   # the whole buffer
+    if sharded:
+        # a step into the spare is swapped in at its commit; a redone or unspeculated step is taken in place
+        out.update(zero_host_work(numel, rank, world, spare_swap=b.rollback == "exact" and speculation == "on"))
+        if not shared_master and weight_bytes == 2 and not (b.weight_mode == "stationary" and b.cast_site == "device"):
+            out[HOST_CAST] = copy_bytes(numel, 4, weight_bytes)   # the whole bucket, after the all-gather
+    return out
+
+
+def _summed(*terms: tuple[int, int]) -> tuple[int, int]:
+    return sum(r for r, _ in terms), sum(w for _, w in terms)
+
+
+def zero_host_work(numel: int, rank: int, world: int, spare_swap: bool,
+                   state_bytes: int = 4) -> dict[str, tuple[int, int]]:
+    """The copies ZeRO's host path makes of a bucket of ``numel`` padded elements on ``rank`` of ``world``, per
+    step (module doc); ``spare_swap``: the bucket steps into its ping-pong spare and swaps it in."""
+    chunk = -(-numel // world)
+    lo, hi = shard_window(numel, rank, world)
+    window, s = hi - lo, state_bytes
+    staged = [(0, chunk * world * s), copy_bytes(numel, s, s)] if chunk * world != numel else []
+    out = {REDUCE_COPIES: _summed(*staged, copy_bytes(chunk, s, s), copy_bytes(window, s, s)),
+           GATHER_COPIES: _summed((0, chunk * s), copy_bytes(window, s, s), copy_bytes(numel, s, s))}
+    if spare_swap:
+        out[SPARE_COPY] = _summed(*[copy_bytes(window, s, s)] * 3)
     return out
 
 

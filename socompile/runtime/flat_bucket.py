@@ -40,7 +40,8 @@ from torch import nn
 
 from ..plan.bucket_buffers import (ACCUMULATION_BUFFER, EXP_AVG_BUFFER, EXP_AVG_SQ_BUFFER, GRAD_BUFFER,
                                    LOW_STAGE_BUFFER, MASTER_BUFFER, SPARE_EXP_AVG_BUFFER, SPARE_EXP_AVG_SQ_BUFFER,
-                                   SPARE_MASTER_BUFFER, WEIGHTS_BUFFER, BucketStorage, BufferSpec, bucket_buffers, shard_layout, shard_window)
+                                   SPARE_MASTER_BUFFER, WEIGHTS_BUFFER, BucketStorage, BufferSpec, bucket_buffers,
+                                   shard_layout, shard_window)
 from ..plan.bucketize import ALIGN   # one layout fact for planner and runtime
 from .host_master import HALF_WEIGHTS, HostMasterCopies, flat_real
 from ..plan.host_work import SPARE_COPY, copy_bytes
@@ -453,10 +454,16 @@ class FlatBucket(HostMasterCopies):
             for i, present in enumerate(self.has_grad):
                 if not present and self.held(i) is not None:
                     for mine, spare in ((window, spare_master), (self.exp_avg, spare_m), (self.exp_avg_sq, spare_v)):
-                        self.state_part(spare, i).copy_(self.state_part(mine, i))
+                        part = self.state_part(spare, i)
+                        part.copy_(self.state_part(mine, i))
+                        self.host_work.add_work(SPARE_COPY, copy_bytes(part.numel(), part.element_size(),
+                                                                       part.element_size()))
             previous = window.clone()   # kept in the spare: zero_grad() may swap back (validation.discard_iteration)
             window.copy_(spare_master)
             spare_master.copy_(previous)
+            size = window.element_size()
+            for _ in range(3):   # the clone and the two copies of the window
+                self.host_work.add_work(SPARE_COPY, copy_bytes(window.numel(), size, size))
             self.spare = (spare_master, self.exp_avg, self.exp_avg_sq)
             self.exp_avg, self.exp_avg_sq = spare_m, spare_v
             self.master_changed()   # separate master: the window changed (gather: the rest)
