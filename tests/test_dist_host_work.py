@@ -1,8 +1,10 @@
-"""The host CPU's work per step under ZeRO's host path (gloo ranks, the CPU build), booked by each rank's runtime
-(``opt.host_work()``), equals the plan's for that rank (plan/host_work.py ``per_step_host_work`` with ``rank`` and
-``world``), purpose by purpose, byte for byte: the kernel over the rank's window only, the whole gradients landing
-in fp32, the copies around the reduce-scatter and the all-gather, the commit's exchange of the master's window
-with the spare's, and the whole bucket cast to bf16 after the all-gather.
+"""The host CPU's work per step under ZeRO (gloo ranks), booked by each rank's runtime (``opt.host_work()``),
+equals the plan's for that rank (plan/host_work.py ``per_step_host_work`` with ``rank`` and ``world``), purpose by
+purpose, byte for byte. The host path (the CPU build): the kernel over the rank's window only, the whole gradients
+landing in fp32, the copies around the reduce-scatter and the all-gather, the commit's exchange of the master's
+window with the spare's, and the whole bucket cast to bf16 after the all-gather. Device-side ZeRO (the emulated
+CUDA device): the kernel over the window with the gradients as the device reduced them, the commit's exchange,
+the master chunk cast into its bf16 stage; no collective copies on the host.
 
 Each case is one run of W ranks (~10 s here); the last of three steps is compared (the first makes one-off
 stages). dp 3 pads buckets to 3 equal chunks (the reduce's staging copy); every rank is compared, so unequal
@@ -23,6 +25,14 @@ HERE = str(pathlib.Path(__file__).resolve())
 
 CASES = {   # name: (ranks, dtype, backend options, optimizer arguments, micro-batches, plan's speculation mode)
     "dp2 fp32 shared, clip committed": (2, "float32", {}, {"max_grad_norm": 1e6}, 1, "on"),
+    # device-side ZeRO: padded buckets whose last window is shorter than the chunk its spare covers
+    "emulated dp3 fp32, clip committed": (3, "float32", {"runtime": "emulated"}, {"max_grad_norm": 1e6}, 1, "on"),
+    "emulated dp3 bf16, flow": (3, "bfloat16", {"runtime": "emulated", "weight_mode": "flow", "prefetch_distance": 1},
+                                {}, 1, "on"),
+    "emulated dp2 bf16, accumulation": (2, "bfloat16", {"runtime": "emulated"}, {"grad_accumulation_steps": 2}, 2,
+                                        "on"),
+    "emulated dp2 fp32, no speculation, clip": (2, "float32", {"runtime": "emulated", "speculate": False},
+                                                {"max_grad_norm": 1e6}, 1, "off"),
     "dp3 bf16 separate, flow": (3, "bfloat16", {"weight_mode": "flow", "prefetch_distance": 1}, {}, 1, "on"),
     "dp2 fp32, clip redone": (2, "float32", {"bucket_size": "64MB"}, {"max_grad_norm": 1e-4, "predict_clipping": False},
                               1, "redo"),
@@ -33,7 +43,8 @@ CASES = {   # name: (ranks, dtype, backend options, optimizer arguments, micro-b
     "dp2 fp32, no speculation, clip": (2, "float32", {"speculate": False}, {"max_grad_norm": 1e6}, 1, "off"),
     "dp3 fp32 shared": (3, "float32", {}, {}, 1, "on"),
 }
-DEFAULT = ("dp2 fp32 shared, clip committed", "dp3 bf16 separate, flow", "dp2 fp32, clip redone")   # the rest: -m slow
+DEFAULT = ("dp2 fp32 shared, clip committed", "dp3 bf16 separate, flow", "dp2 fp32, clip redone",
+           "emulated dp3 fp32, clip committed")   # the rest: -m slow
 
 
 def _host_work_worker(args: dict) -> dict:
@@ -50,7 +61,8 @@ def _host_work_worker(args: dict) -> dict:
     model = build("tiny", n_layers=2).to(dtype)
     opt = socompile.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, **arguments)
     sd.shard_optimizer(opt, topo.world_group)
-    backend = socompile.SuperOffload({"compute": "eager", "gpu_buckets": 0, "bucket_size": "64KB", "runtime": "cpu",
+    runtime = options.get("runtime", "cpu")
+    backend = socompile.SuperOffload({"compute": "eager", "gpu_buckets": 0, "bucket_size": "64KB", "runtime": runtime,
                                       "dp_degree": topo.world_size, **options})
     cmodel = torch.compile(model, backend=backend)
     data = batches(3 * micro)
@@ -62,12 +74,13 @@ def _host_work_worker(args: dict) -> dict:
     ctx = backend.compiled[0]
     predicted = per_step_host_work(ctx.plan, ctx.ir, shared_master=opt.host_master == "shared",
                                    weight_bytes=torch.finfo(dtype).bits // 8, validating=opt.max_grad_norm is not None,
-                                   speculation=speculation, micro_batches=micro, host_is_device=True,
+                                   speculation=speculation, micro_batches=micro, host_is_device=runtime == "cpu",
                                    rank=topo.rank, world=topo.world_size)
     planned = {purpose: [r, w] for purpose, r, w in ctx.plan.prediction("host_work_bytes_per_step")}
     out = {"booked": {k: list(v) for k, v in opt.host_work().items()},
            "predicted": {k: list(v) for k, v in predicted.items()}, "planned": planned,
-           "clipped": opt.last_step_clipped, "padded": any(b.numel % topo.world_size for b in opt.buckets)}
+           "clipped": opt.last_step_clipped, "padded": any(b.numel % topo.world_size for b in opt.buckets),
+           "device_sharded": all(b.device_shard is not None for b in opt.buckets)}
     sd.shutdown()
     return out
 
@@ -75,10 +88,13 @@ def _host_work_worker(args: dict) -> dict:
 @pytest.mark.parametrize("case", [c if c in DEFAULT else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
 def test_each_ranks_host_cpu_work_under_zero_is_the_plans_for_that_rank(case):
     world, dtype, options, arguments, micro, speculation = CASES[case]
-    results = assert_ranks_ok(run_local(f"{HERE}:_host_work_worker", world, {"case": case}, timeout_s=240))
+    on_device = options.get("runtime") == "emulated"
+    results = assert_ranks_ok(run_local(f"{HERE}:_host_work_worker", world, {"case": case}, timeout_s=240,
+                                        env={"SOCOMPILE_RUNTIME": "emulated"} if on_device else None))
     for rank, r in enumerate(results):
+        assert r["device_sharded"] == on_device
         # the ZeRO terms are there (so a side that lost them fails), and each rank's books are its plan's
-        assert REDUCE_COPIES in r["predicted"] and GATHER_COPIES in r["predicted"], r["predicted"]
+        assert (REDUCE_COPIES in r["predicted"] and GATHER_COPIES in r["predicted"]) != on_device, r["predicted"]
         assert (SPARE_COPY in r["predicted"]) == (speculation == "on"), r["predicted"]
         assert (HOST_CAST in r["predicted"]) == (dtype == "bfloat16"), r["predicted"]
         assert r["booked"] == r["predicted"], (rank, r["booked"], r["predicted"])

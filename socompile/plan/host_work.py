@@ -32,6 +32,12 @@ spare writes no 2-byte copy (the commit casts the whole bucket after the all-gat
                       (the model aliases the master, so its buffer stays): three copies of the window. A redone
                       or unspeculated step is taken in place.
 
+Device-side ZeRO (``shard_layout`` "chunk": a separate fp32 master on a CUDA runtime) reduces and gathers on the
+device, so no reduce or gather copies: the kernel steps the rank's window of its chunk with the gradients landed
+as the device reduced them (bf16 weights: bf16), the commit exchanges the window with the spare's as above, and
+2-byte weights are cast on the host from the master chunk into its stage (``host cast`` of the chunk), once per
+step, for the upload or the fetches that read it.
+
 What gloo itself reads and writes inside a collective is not booked (its algorithm's, not a pass of ours).
 
 Per step, outside the buckets:
@@ -44,7 +50,7 @@ Per step, outside the buckets:
 ``adam_kernel_bytes`` (hardware/cpu_adam.py) and the others are the formulas: the runtime books each pass with
 them at the pass (``socompile.AdamW.host_work()``), ``per_step_host_work`` sums them over a plan, and the
 simulator's CPU task of a bucket is its ``adam kernel`` bytes at the CPU's Adam bandwidth. Not among these terms
-yet: the first step's one-off casts, and device-side ZeRO (``shard_layout`` "chunk", a CUDA runtime).
+yet: the first step's one-off casts.
 """
 from __future__ import annotations
 
@@ -52,7 +58,7 @@ from ..dtypes import dtype_bytes
 from ..hardware.cpu_adam import adam_kernel_bytes
 from ..ledger_names import ACTIVATION_FETCH, ACTIVATION_OFFLOAD
 from ..options import OFFLOADED_CHOICES
-from .bucket_buffers import shard_window
+from .bucket_buffers import BucketStorage, landing_dtype, shard_layout, shard_window
 from .bucketize import ALIGN, padded_numel
 from .transfers import per_step_traffic
 
@@ -103,20 +109,31 @@ def kernel_elements(sizes: list[int], align: int = ALIGN) -> int:
 
 def bucket_host_work(b, sizes: list[int], *, shared_master: bool, weight_bytes: int, validating: bool,
                      speculation: str = "on", micro_batches: int = 1, host_is_device: bool = False,
-                     moment_bytes: int = 4, rank: int = 0, world: int = 1) -> dict[str, tuple[int, int]]:
+                     moment_bytes: int = 4, rank: int = 0, world: int = 1,
+                     weight_dtype: str = "") -> dict[str, tuple[int, int]]:
     """{purpose: (read, written)} of CPU bucket ``b`` (a BucketPlan; ``sizes``: its parameters' elements) in one
     step. ``speculation``: "on" (stepped as its gradients arrive; a validation that does not clip commits),
     "off" (stepped after backward, or held back by a predicted or certain clip: validation first reads the
     norm), "redo" (speculated, then clipped: stepped again). ``host_is_device``: the CPU build.
-    ``moment_bytes``: 4 (fp32 moments) or 2 (bf16). ``rank`` of ``world``: ZeRO's host path (module doc)."""
+    ``moment_bytes``: 4 (fp32 moments) or 2 (bf16). ``rank`` of ``world``: a ZeRO rank (module doc);
+    ``weight_dtype``: the parameters' dtype name (default: bfloat16, float32 or float64 by ``weight_bytes``)."""
     if b.optimizer_site != "cpu":
         return {}
-    sharded = world > 1
+    weight_dtype = weight_dtype or {2: "bfloat16", 4: "float32", 8: "float64"}[weight_bytes]
+    # how the runtime cuts the bucket over the ranks: plan/bucket_buffers.py's rule (a CUDA runtime pins a
+    # separate master's buffers)
+    cut = shard_layout(BucketStorage(separate=not shared_master, weight_dtype=weight_dtype,
+                                     pins=not shared_master and not host_is_device), world)
     numel = padded_numel(sizes, ALIGN)
     lo, hi = shard_window(numel, rank, world)
     elements = max(0, min(kernel_elements(sizes), hi) - lo)   # the kernel's run, cut to this rank's window
-    grad_bytes = 4 if shared_master or sharded else dtype_bytes(b.link_dtype)
-    low_copy = not sharded and kernel_writes_low_copy(b, shared_master=shared_master, weight_bytes=weight_bytes)
+    if cut == "chunk":     # the device reduced the gradients in the weights' dtype
+        grad_bytes = dtype_bytes(landing_dtype(weight_dtype, "float32"))
+    elif cut == "window":  # the host reduce-scatter sums the whole gradients in the state dtype
+        grad_bytes = 4
+    else:
+        grad_bytes = 4 if shared_master else dtype_bytes(b.link_dtype)
+    low_copy = cut == "whole" and kernel_writes_low_copy(b, shared_master=shared_master, weight_bytes=weight_bytes)
     read, written = adam_kernel_bytes(elements, grad_bytes, low_copy, moment_bytes)
     passes = 2 if speculation == "redo" and validating else 1
     out = {ADAM_KERNEL: (read * passes, written * passes)}
@@ -124,16 +141,20 @@ def bucket_host_work(b, sizes: list[int], *, shared_master: bool, weight_bytes: 
         out[NORM_PASS] = norm_pass_bytes(elements, grad_bytes)
     if host_is_device:   # the first micro-batch's gradients copied in (from the parameters' dtype)
         out[GRADIENT_COPY] = copy_bytes(sum(sizes), weight_bytes, grad_bytes)
-    if micro_batches > 1:
+    if micro_batches > 1 and cut != "chunk":   # device-side ZeRO accumulates on the device
         r, w = add_bytes(sum(sizes), grad_bytes)
         out[ACCUMULATION_ADD] = (r * (micro_batches - 1), w * (micro_batches - 1))
     if host_is_device and not shared_master and weight_bytes == 4 and b.weight_mode == "stationary":
         out[UPLOAD_COPY] = copy_bytes(numel, 4, 4)   # the whole buffer
-    if sharded:
+    if cut != "whole":
         # a step into the spare is swapped in at its commit; a redone or unspeculated step is taken in place
-        out.update(zero_host_work(numel, rank, world, spare_swap=b.rollback == "exact" and speculation == "on"))
-        if not shared_master and weight_bytes == 2 and not (b.weight_mode == "stationary" and b.cast_site == "device"):
-            out[HOST_CAST] = copy_bytes(numel, 4, weight_bytes)   # the whole bucket, after the all-gather
+        out.update(zero_host_work(numel, rank, world, spare_swap=b.rollback == "exact" and speculation == "on",
+                                  on_device=cut == "chunk"))
+    if cut == "window" and not shared_master and weight_bytes == 2 \
+            and not (b.weight_mode == "stationary" and b.cast_site == "device"):
+        out[HOST_CAST] = copy_bytes(numel, 4, weight_bytes)   # the whole bucket, after the all-gather
+    if cut == "chunk" and weight_bytes == 2:
+        out[HOST_CAST] = copy_bytes(-(-numel // world), 4, weight_bytes)   # the master chunk into its stage
     return out
 
 
@@ -141,16 +162,19 @@ def _summed(*terms: tuple[int, int]) -> tuple[int, int]:
     return sum(r for r, _ in terms), sum(w for _, w in terms)
 
 
-def zero_host_work(numel: int, rank: int, world: int, spare_swap: bool,
+def zero_host_work(numel: int, rank: int, world: int, spare_swap: bool, on_device: bool = False,
                    state_bytes: int = 4) -> dict[str, tuple[int, int]]:
-    """The copies ZeRO's host path makes of a bucket of ``numel`` padded elements on ``rank`` of ``world``, per
-    step (module doc); ``spare_swap``: the bucket steps into its ping-pong spare and swaps it in."""
+    """The copies ZeRO makes on the host of a bucket of ``numel`` padded elements on ``rank`` of ``world``, per
+    step (module doc); ``spare_swap``: the bucket steps into its ping-pong spare and swaps it in; ``on_device``:
+    device-side ZeRO, whose collectives and their copies are the device's."""
     chunk = -(-numel // world)
     lo, hi = shard_window(numel, rank, world)
     window, s = hi - lo, state_bytes
-    staged = [(0, chunk * world * s), copy_bytes(numel, s, s)] if chunk * world != numel else []
-    out = {REDUCE_COPIES: _summed(*staged, copy_bytes(chunk, s, s), copy_bytes(window, s, s)),
-           GATHER_COPIES: _summed((0, chunk * s), copy_bytes(window, s, s), copy_bytes(numel, s, s))}
+    out = {}
+    if not on_device:
+        staged = [(0, chunk * world * s), copy_bytes(numel, s, s)] if chunk * world != numel else []
+        out[REDUCE_COPIES] = _summed(*staged, copy_bytes(chunk, s, s), copy_bytes(window, s, s))
+        out[GATHER_COPIES] = _summed((0, chunk * s), copy_bytes(window, s, s), copy_bytes(numel, s, s))
     if spare_swap:
         out[SPARE_COPY] = _summed(*[copy_bytes(window, s, s)] * 3)
     return out

@@ -190,13 +190,13 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
     traffic = per_step_traffic(final, ir, layers=costs.layers)
     # What the host CPU reads and writes per step (one micro-batch), by purpose: the terms opt.host_work()
     # books (plan/host_work.py); with clipping, the clipped step's (every speculated CPU step taken again). Under
-    # ZeRO on the CPU build (its host path), rank 0's: the first ranks hold the fullest windows.
+    # ZeRO, rank 0's: the first ranks hold the fullest windows.
     layout = host_layout(options, weight_bytes)
     host_is_device = options.runtime == "cpu"
     work = per_step_host_work(final, ir, traffic=traffic, shared_master=layout.shared_master,
                               weight_bytes=weight_bytes, validating=bool(options.clipping),
                               speculation=_speculation(options), host_is_device=host_is_device,
-                              moment_bytes=layout.moment_bytes, world=world if host_is_device else 1)
+                              moment_bytes=layout.moment_bytes, world=world)
     final = dataclasses.replace(final, predicted=final.predicted + (
         ("link_bytes_per_step", tuple((" ".join(key), int(v)) for key, v in sorted(traffic.items()))),
         ("host_work_bytes_per_step", tuple((purpose, int(r), int(w)) for purpose, (r, w) in sorted(work.items()))),

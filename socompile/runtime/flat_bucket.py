@@ -451,16 +451,19 @@ class FlatBucket(HostMasterCopies):
         if self.sharded:
             spare_master, spare_m, spare_v = self.spare
             window = self.master[self.host(*self.window)]
+            # the spare covers the state's range (device-side ZeRO: the whole chunk, which the last ranks' windows
+            # do not fill); the window is its first part
+            spare_window = spare_master[self.local(*self.window)]
             for i, present in enumerate(self.has_grad):
                 if not present and self.held(i) is not None:
-                    for mine, spare in ((window, spare_master), (self.exp_avg, spare_m), (self.exp_avg_sq, spare_v)):
+                    for mine, spare in ((window, spare_window), (self.exp_avg, spare_m), (self.exp_avg_sq, spare_v)):
                         part = self.state_part(spare, i)
                         part.copy_(self.state_part(mine, i))
                         self.host_work.add_work(SPARE_COPY, copy_bytes(part.numel(), part.element_size(),
                                                                        part.element_size()))
             previous = window.clone()   # kept in the spare: zero_grad() may swap back (validation.discard_iteration)
-            window.copy_(spare_master)
-            spare_master.copy_(previous)
+            window.copy_(spare_window)
+            spare_window.copy_(previous)
             size = window.element_size()
             for _ in range(3):   # the clone and the two copies of the window
                 self.host_work.add_work(SPARE_COPY, copy_bytes(window.numel(), size, size))

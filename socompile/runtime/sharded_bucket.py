@@ -39,6 +39,7 @@ import torch
 
 from ..plan.bucket_buffers import (EXP_AVG_BUFFER, EXP_AVG_SQ_BUFFER, GRAD_BUFFER, LOW_STAGE_BUFFER,
                                    MASTER_BUFFER, shard_window)
+from ..plan.host_work import HOST_CAST, copy_bytes
 from .host_master import store_gradients
 from .traffic import FLOW_FETCH, GRADIENTS as GRADIENT_LINK, WEIGHT_UPLOAD
 
@@ -222,6 +223,8 @@ class DeviceShard:
         if not bucket.low_in_sync():
             bucket.before_host_write()    # the previous upload read the stage: it must be done
             self.stage.copy_(bucket.master)
+            bucket.host_work.add_work(HOST_CAST, copy_bytes(bucket.master.numel(), bucket.master.element_size(),
+                                                            self.stage.element_size()))
             bucket.low_synced()
         return self.stage
 
