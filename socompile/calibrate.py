@@ -28,9 +28,14 @@ from .hardware.profiles import ADAM_BYTES_FP32_GRAD, GB, THIS_MACHINE, HardwareP
 ATTENTION_SHAPES = ((128, 32), (128, 128), (512, 32), (512, 128))
 ATTENTION_TOKENS = 2048
 # Sides of the square matmuls measured per dtype: a CPU's matmul rate grows with the size (bf16 on one core:
-# ~95 GFLOP/s at 128, ~190 at 512); the simulator takes a matmul node at the side of its FLOPs' cube. Their
-# operands are cycled through MATMUL_OPERAND_BYTES, more than a core's L2 cache (measure_cold_matmul_flops).
+# ~95 GFLOP/s at 128, ~190 at 512). Each side is measured again as a tall product of the same FLOPs, tokens
+# MATMUL_TALL times the width (half the side, so 4x the side long): a CPU trains models whose batch of tokens is
+# several times their width (tiny: 1024 x 128), and without bf16 matrix instructions such a product runs at
+# ~1.6x the square's rate (an AVX2 EPYC, one thread: 5.5 vs 3.4 GFLOP/s). The simulator looks a matmul node up
+# by its (shortest, longest) dimension. Operands are cycled through MATMUL_OPERAND_BYTES, more than a core's L2
+# cache (measure_cold_matmul_flops).
 MATMUL_SIDES = (128, 256, 512)
+MATMUL_TALL = 8
 MATMUL_OPERAND_BYTES = 16 * 2**20
 # Operand size of the elementwise measurement: one layer's activations of a model a CPU trains, which sit in the
 # caches, where converting bf16 to fp32 and back costs more than the bytes (bf16: ~2.5x the time per byte of fp32).
@@ -123,25 +128,29 @@ def measure_matmul_flops(n: int, device: str = "cpu", repeats: int = MATMUL_REPE
 
 
 def measure_cold_matmul_flops(n: int, dtype, operand_bytes: int = MATMUL_OPERAND_BYTES, repeats: int = MATMUL_REPEATS,
-                               clock=time.perf_counter) -> float:
-    """FLOP/s of ``n``-side square matmuls whose operands are not in the cores' caches: each call reads a
-    different pair of a set ``operand_bytes`` large, as a training step's matmuls read activations and weights
-    that other kernels ran over since (~20% slower than one pair multiplied again and again here).
+                               clock=time.perf_counter, tokens: int | None = None) -> float:
+    """FLOP/s of a linear layer's matmuls of width ``n`` over ``tokens`` rows (default ``n``: squares) whose
+    operands are not in the cores' caches: each call reads a different pair of a set ``operand_bytes`` large,
+    as a training step's matmuls read activations and weights that other kernels ran over since (~20% slower
+    than one pair multiplied again and again here).
 
     The pairs take turns at the three layouts a linear layer's step uses: the forward's ``x @ W.T``, the input
-    gradient's ``dY @ W`` and the weight gradient's ``dY.T @ X`` (as many matmuls as one layout would take).
-    Where the CPU has no bf16 matrix instructions the layouts differ by up to 7x (an AVX2 EPYC, one thread,
-    side 512: 1.3 GFLOP/s for ``a @ b``, 9.6 for ``a @ b.T``), so one layout alone mis-states a training
-    step's matmuls; fp32 differs little."""
+    gradient's ``dY @ W`` and the weight gradient's ``dY.T @ X`` (as many matmuls as one layout would take;
+    each 2 * tokens * n * n FLOPs). Where the CPU has no bf16 matrix instructions the layouts differ by up to
+    7x (an AVX2 EPYC, one thread, side 512: 1.3 GFLOP/s for ``a @ b``, 9.6 for ``a @ b.T``), so one layout
+    alone mis-states a training step's matmuls; fp32 differs little."""
     import torch
-    pairs = max(3, operand_bytes // (2 * n * n * torch.empty((), dtype=dtype).element_size()))
-    layouts = (lambda a, b: a @ b.t(), lambda a, b: a @ b, lambda a, b: a.t() @ b)
-    operands = [(torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype), layouts[i % 3]) for i in range(pairs)]
+    tokens = tokens or n
+    layouts = ((lambda a, b: a @ b.t(), (n, n)), (lambda a, b: a @ b, (n, n)), (lambda a, b: a.t() @ b, (tokens, n)))
+    pair_bytes = (tokens * n + n * n) * torch.empty((), dtype=dtype).element_size()
+    pairs = max(3, operand_bytes // pair_bytes)
+    operands = [(torch.randn(tokens, n).to(dtype), torch.randn(*layouts[i % 3][1]).to(dtype), layouts[i % 3][0])
+                for i in range(pairs)]
 
     def run():
         for a, b, multiply in operands:
             multiply(a, b)
-    return 2 * n**3 * pairs / _best_of(run, repeats, clock)
+    return 2 * tokens * n * n * pairs / _best_of(run, repeats, clock)
 
 
 def measure_attention_flops(seq: int, head_dim: int, dtype, backward: bool, repeats: int = MATMUL_REPEATS,
@@ -193,7 +202,10 @@ def measure_kernel_rates(clock=time.perf_counter) -> tuple[KernelRate, ...]:
     for dtype in (torch.float32, torch.bfloat16):
         for side in MATMUL_SIDES:
             rates.append(KernelRate("matmul", str(dtype), measure_cold_matmul_flops(side, dtype, clock=clock),
-                                    (side,)))
+                                    (side, side)))
+            width = round(side / MATMUL_TALL ** (1 / 3))   # tokens x width x width: the square's FLOPs
+            rates.append(KernelRate("matmul", str(dtype), measure_cold_matmul_flops(
+                width, dtype, clock=clock, tokens=MATMUL_TALL * width), (width, MATMUL_TALL * width)))
         for seq, head_dim in ATTENTION_SHAPES:
             for kernel, backward in (("attention", False), ("attention_backward", True)):
                 rates.append(KernelRate(kernel, str(dtype), measure_attention_flops(seq, head_dim, dtype, backward,

@@ -202,12 +202,26 @@ def test_measured_rates_are_interpolated_between_shapes_and_clamped_outside_them
     assert hw.kernel_flops("attention_backward", FP32, (256, 32)) == 0       # not measured
 
 
-def test_a_matmul_node_runs_at_the_rate_measured_for_its_dtype_at_the_side_of_its_flops_cube():
+def test_a_matmul_node_without_dimensions_runs_at_the_rate_of_the_square_of_its_flops():
+    """A profile measured before matmuls were keyed by (shortest, longest) side names one side per square."""
     hw = measured(("matmul", BF16, 100e9, (128,)), ("matmul", BF16, 200e9, (512,)), ("matmul", FP32, 70e9, (256,)))
+    assert {r.shape for r in hw.device_kernel_rates} == {(128, 128), (512, 512), (256, 256)}
     cost = CostModel(hw)
     at_256 = 2 * 256**3   # a 256-cube of work: halfway (in logs) between the measured sides 128 and 512
     assert cost.node_time("matmul", at_256, 0, BF16) == pytest.approx(at_256 / (100e9 * 200e9) ** 0.5)
     assert cost.node_time("matmul", at_256, 0, FP32) == pytest.approx(at_256 / 70e9)
+
+
+def test_a_tall_matmul_runs_at_the_rate_measured_for_its_shortest_and_longest_side():
+    """Without bf16 matrix instructions a 1024 x 128 x 128 product runs ~1.6x faster than the square of its
+    FLOPs (calibrate.py MATMUL_TALL): the node's own dimensions pick the rate, in any order."""
+    hw = measured(("matmul", BF16, 3e9, (256, 256)), ("matmul", BF16, 5e9, (128, 1024)),
+                  ("matmul", BF16, 3e9, (512, 512)), ("matmul", BF16, 3e9, (256, 2048)))
+    cost = CostModel(hw)
+    flops = 2 * 1024 * 128 * 128   # the FLOPs of a 256-side square
+    for dims in ((1024, 128, 128), (128, 1024, 128), (128, 128, 1024)):   # forward, weight and input gradient
+        assert cost.node_time("matmul", flops, 0, BF16, matmul_dims=dims) == pytest.approx(flops / 5e9)
+    assert cost.node_time("matmul", flops, 0, BF16) == pytest.approx(flops / 3e9)   # no dimensions: the square
 
 
 def test_a_bf16_elementwise_node_takes_its_bytes_times_the_measured_bf16_slowdown():
@@ -231,6 +245,19 @@ def test_a_profile_without_measured_kernel_rates_charges_as_before():
         1e12 / (hw.device_bf16_flops * EFFICIENCY["attention"]))
     assert cost.node_time("matmul", 1e12, 0, BF16) == pytest.approx(1e12 / (hw.device_bf16_flops
                                                                            * EFFICIENCY["matmul"]))
+
+
+def test_matmul_nodes_carry_the_dimensions_of_their_product():
+    """Every aten.mm of a traced step names (rows, inner, columns) with rows x inner x columns x 2 its FLOPs
+    (a bmm or addmm reads its matrices at other positions: the same rule)."""
+    from socompile.perf.cost import op_class
+    ir = traced()
+    mms = [d for _, d in ir.graph.nodes(data=True) if d["kind"] == "call_function"
+           and op_class(d["op"], d["is_view"]) == "matmul"]
+    assert mms and all(d["matmul_dims"] is not None for d in mms)
+    assert all(2 * d["matmul_dims"][0] * d["matmul_dims"][1] * d["matmul_dims"][2] == d["flops"] for d in mms
+               if d["op"].startswith("aten.mm"))
+    assert any(max(d["matmul_dims"]) > 2 * min(d["matmul_dims"]) for d in mms)   # tiny's tokens exceed its width
 
 
 def test_attention_nodes_carry_their_dtype_and_query_shape():

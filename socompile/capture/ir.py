@@ -23,7 +23,8 @@ from torch import fx
 
 from .module_stack import module_paths
 from .params import ParamInfo
-from .sizes import attention_dims, free_symbols, node_flops, shape_env_values, tensor_bytes, value_dtype
+from .sizes import (attention_dims, free_symbols, matmul_dims, node_flops, shape_env_values, tensor_bytes,
+                    value_dtype)
 
 
 @dataclasses.dataclass
@@ -92,6 +93,7 @@ def _add_phase(g: nx.DiGraph, gm: fx.GraphModule, phase: str, alias: dict[str, s
                    kind=node.op, is_view=_is_view(node), alias_of=local_alias.get(node.name),
                    bytes=tensor_bytes(node.meta.get("val")), flops=node_flops(node),
                    dtype=value_dtype(node.meta.get("val")), attention_dims=attention_dims(node),
+                   matmul_dims=matmul_dims(node),
                    reads_params=tuple(sorted(reads)), modules=module_paths(node),
                    stack_trace=node.meta.get("stack_trace"))
         for inp in node.all_input_nodes:

@@ -27,8 +27,9 @@ ADAM_BYTES_BF16_COPY = int(sum(adam_kernel_bytes(1, 2, True)) - ADAM_BYTES_BF16_
 @dataclasses.dataclass(frozen=True)
 class KernelRate:
     """One kernel class's rate measured on this machine's "device" (calibrate on a CPU-only build), where one
-    datasheet figure per profile does not describe it. ``kernel``: "matmul" (FLOP/s of a square matmul of side
-    ``shape[0]``), "attention" or "attention_backward" (FLOP/s at a query of ``shape`` = (tokens, head dim)),
+    datasheet figure per profile does not describe it. ``kernel``: "matmul" (FLOP/s of the three products of a
+    linear layer's step whose shortest and longest dimensions are ``shape``: a square, or ``tokens`` x
+    ``width`` activations times a ``width``-side weight), "attention" or "attention_backward" (FLOP/s at a query of ``shape`` = (tokens, head dim)),
     "elementwise" (bytes/s of a binary elementwise op on cache-resident operands, ``shape`` empty), or
     "elementwise_binary", "elementwise_math", "elementwise_reduction" (elements/s of one family of elementwise
     ops: ``a * b``, ``silu``, a row sum; ``shape`` empty);
@@ -38,6 +39,11 @@ class KernelRate:
     dtype: str
     rate: float
     shape: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        # A matmul measured before matmuls were keyed by (shortest, longest) side has its square's one side.
+        if self.kernel == "matmul" and len(self.shape) == 1:
+            object.__setattr__(self, "shape", (self.shape[0], self.shape[0]))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -174,7 +174,8 @@ def analyze(ir: IR, cost: CostModel, token_shard: int = 1) -> GraphCosts:
             # an elementwise node's time may be set by its elements (CostModel.node_time): its largest operand's
             elements = max(_elements(cost, nodes[k]) for k in (key, *g.predecessors(key))) if cls == "memory" else 0
             out.append(float(cost.node_time(cls, flops / shard, moved / shard, data.get("dtype", ""), data["op"],
-                                            data.get("attention_dims"), elements / shard)))
+                                            data.get("attention_dims"), elements / shard,
+                                            data.get("matmul_dims"))))
         return out
 
     fw_times, bw_times = times(ir.fw_order), times(ir.bw_order)

@@ -113,11 +113,12 @@ class CostModel:
 
     # ---------------------------------------------------------------- formulas
     def node_time(self, op_cls: str, flops, bytes_moved, dtype: str = "", op: str = "", attention_dims=None,
-                  elements=0):
+                  elements=0, matmul_dims=None):
         """Seconds of one kernel: compute- or bandwidth-bound, whichever is slower (roofline), at the FLOP rate
         of the dtype it computes in (``str(torch dtype)`` of its output; "" for the bf16 rate). An attention
-        kernel (``op`` its name, ``attention_dims`` its query's (tokens, head dim)) and a matmul run at the
-        profile's measured rate for their kind, dtype and shape where it has one (flop_rate). An elementwise
+        kernel (``op`` its name, ``attention_dims`` its query's (tokens, head dim)) and a matmul
+        (``matmul_dims``: rows, inner, columns) run at the profile's measured rate for their kind, dtype and
+        shape where it has one (flop_rate). An elementwise
         kernel of a family whose elements/s the profile measured in its dtype takes the longer of its bytes'
         time and ``elements`` (its largest operand's) at that rate; another one in a dtype the profile measured
         slower than fp32 takes that much longer than its bytes."""
@@ -131,21 +132,32 @@ class CostModel:
             if rate:
                 return hw.device_op_latency + _max(memory, elements / rate)
             return hw.device_op_latency + memory * hw.elementwise_slowdown(dtype)
-        compute = flops / self.flop_rate(op_cls, dtype, op, attention_dims, flops)
+        compute = flops / self.flop_rate(op_cls, dtype, op, attention_dims, flops, matmul_dims)
         return hw.device_op_latency + _max(compute, memory)
 
-    def flop_rate(self, op_cls: str, dtype: str = "", op: str = "", attention_dims=None, flops=0) -> float:
+    def flop_rate(self, op_cls: str, dtype: str = "", op: str = "", attention_dims=None, flops=0,
+                  matmul_dims=None) -> float:
         """Achieved FLOP/s of a compute kernel: the profile's rate measured on this kind of kernel at its shape
         where it has one (already achieved: no efficiency factor), else the datasheet rate times the class's
-        efficiency. A matmul's shape is the side of the square matmul of its FLOPs (the measured ones are
-        square); an attention kernel's the (tokens, head dim) of its query."""
+        efficiency. A matmul's shape is its (shortest, longest) dimension (``matmul_dims``; without them, the
+        side of the square matmul of its FLOPs); an attention kernel's the (tokens, head dim) of its query."""
         measured = 0.0
         if op_cls == "attention" and attention_dims is not None:
             kernel = "attention_backward" if "backward" in op else "attention"
             measured = self.hw.kernel_flops(kernel, dtype, tuple(self.value(d) for d in attention_dims))
         elif op_cls == "matmul" and isinstance(flops, (int, float)) and flops > 0:
-            measured = self.hw.kernel_flops("matmul", dtype, ((flops / 2) ** (1 / 3),))
+            measured = self.hw.kernel_flops("matmul", dtype, self.matmul_shape(flops, matmul_dims))
         return measured or self.hw.matmul_flops(dtype) * EFFICIENCY[op_cls]
+
+    def matmul_shape(self, flops: float, matmul_dims=None) -> tuple[float, float]:
+        """The key a matmul's measured rate is looked up by (KernelRate "matmul"): its shortest and longest
+        dimension, or, where its dimensions are not known, those of the square matmul of its FLOPs."""
+        if matmul_dims:
+            dims = [float(self.value(d)) for d in matmul_dims]
+            if min(dims) > 0:
+                return min(dims), max(dims)
+        side = (flops / 2) ** (1 / 3)
+        return side, side
 
     def view_time(self) -> float:
         """Seconds of a view node: no data moves, but a CPU "device" dispatches it on its cores (0 on a GPU,
