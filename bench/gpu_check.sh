@@ -9,7 +9,9 @@
 #    plan for every single-GPU plan shape (tests/test_host_memory.py -k cuda);
 # 4. times a step of a 4-layer llama-1b (0.37B; the layer count keeps the three Inductor compiles short) without
 #    offload (Inductor + fused AdamW on the GPU) and with socompile (bf16 weights, then fp32 weights under bf16
-#    autocast), plus the runtime's copy stream (pinned h2d bandwidth and overlap with compute).
+#    autocast; each with every bucket stepped on the CPU and with the planner's choice of GPU-stepped buckets,
+#    each printing one step's per-bucket timeline), plus the runtime's copy stream (pinned h2d bandwidth and
+#    overlap with compute).
 # Run on an H200 (bench/results/gpu_check_h200_2026-12-04.md: the runs and what they found; docs/runtime.md, "On a GPU"). Exit 1 when any assertion of
 # bench/gpu_step.py fails (copy time hidden under compute, equality with eager, the loss falls, device peak
 # within 10% of the plan), or a test fails.

@@ -2,12 +2,16 @@
 without socompile offload. Run by bench/gpu_check.sh; written without a GPU at hand (see docs/runtime.md).
 
     python bench/gpu_step.py [--preset llama-1b] [--layers N] [--batch 2] [--seq 1024] [--steps 8]
-                             [--offload-dtype bf16|fp32|both]
+                             [--offload-dtype bf16|fp32|both] [--gpu-buckets 0,planner]
 
 "with offload": the model on the GPU (``model.cuda()``, bf16 weights, or fp32 weights under bf16 autocast),
 socompile.AdamW (a separate host master: fp32 master, gradients and Adam moments in pinned host memory, the CPU
 kernel stepping each bucket while backward goes on, the updated weights uploaded per bucket) and the backend.
-Each case is guarded: a failure prints its traceback and the script goes on, exiting 1 at the end.
+Each case is guarded: a failure prints its traceback and the script goes on, exiting 1 at the end. Each offload
+case runs with every bucket's optimizer on the CPU (``gpu_buckets=0``) and with the planner's own choice of
+GPU-stepped buckets, and prints one more step's per-bucket timeline from the runtime's events (``opt.events``):
+the start and end of each CPU bucket step and upload on the thread that ran it, and of the forward and
+backward. On CUDA a copy's span is the worker queueing it on its stream, not the stream running it.
 
 What it asserts (each a failure, exit 1), with the bound's reason:
 - copy stream: at least HIDDEN_FLOOR of the h2d copy time is hidden under the matmul loop (the loop is
@@ -38,6 +42,7 @@ import socompile
 from socompile.models import WithLMLoss, build
 from socompile.models.llama import PRESETS
 from socompile.runtime.device import CUDARuntime
+from socompile.tools.runtime_timeline import record_one_step, spans, text_summary
 
 
 HIDDEN_FLOOR = 0.5
@@ -117,6 +122,30 @@ def equals_eager_check(steps: int = 3, device: str = "cuda") -> None:
                                f"<= {EAGER_ATOL:.0e} after {steps} steps")
 
 
+def emulated_timeline(gpu_buckets: int | None, steps: int = 3) -> None:
+    """``--emulated``: a tiny bf16 model on the emulated device (separate host master, uploads per bucket),
+    trained a few steps and one more printed per bucket, as offload_case does on a GPU."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = build("tiny", n_layers=2).to(dtype=torch.bfloat16)
+    opt = socompile.AdamW(model.parameters(), lr=1e-3)
+    pins = {} if gpu_buckets is None else {"gpu_buckets": gpu_buckets}
+    backend = socompile.SuperOffload(compute="eager", bucket_size="256KB", **pins)
+    cmodel = torch.compile(WithLMLoss(model), backend=backend)
+    g = torch.Generator().manual_seed(1)
+    batches = [tuple(torch.randint(0, 256, (2, 64), generator=g) for _ in range(2)) for _ in range(steps + 1)]
+    for x, y in batches[:steps]:
+        cmodel(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    plan = backend.compiled[0].plan
+    sites = [b.optimizer_site for b in plan.buckets]
+    print(f"emulated device, tiny bf16, {choice_name(gpu_buckets)}: {len(sites)} buckets, "
+          f"{sites.count('cpu')} stepped on the CPU, {sites.count('device')} on the device")
+    x, y = batches[-1]
+    print_timeline(opt, plan, lambda: cmodel(x, y))
+
+
 def time_steps(model, opt, data, steps: int, warmup: int, losses: list | None = None) -> float:
     times = []
     for i, (x, y) in enumerate(data[:warmup + steps]):
@@ -138,11 +167,48 @@ def time_steps(model, opt, data, steps: int, warmup: int, losses: list | None = 
     return sorted(times)[len(times) // 2]
 
 
-def offload_case(args, overrides: dict, data, dtype: torch.dtype, compute: str = "inductor") -> None:
+def parse_gpu_buckets(text: str) -> list[int | None]:
+    """``--gpu-buckets``: comma-separated counts of GPU-stepped buckets, "planner" for the planner's choice."""
+    choices = []
+    for word in text.split(","):
+        word = word.strip()
+        if word == "planner":
+            choices.append(None)
+        elif word.isdigit():
+            choices.append(int(word))
+        else:
+            raise argparse.ArgumentTypeError(f"--gpu-buckets takes counts and 'planner', comma-separated; got "
+                                             f"{word!r} in {text!r}")
+    return choices
+
+
+def choice_name(gpu_buckets: int | None) -> str:
+    return "the planner's gpu_buckets" if gpu_buckets is None else f"gpu_buckets={gpu_buckets}"
+
+
+def print_timeline(opt, plan, forward, sync=lambda: None) -> None:
+    """One more step (``forward()`` returns its loss), printed per bucket from the runtime's events; checks
+    that every CPU-stepped bucket was stepped in it (and uploaded, where its master is mirrored)."""
+    events = record_one_step(opt, forward, sync)
+    print("  one step's timeline (ms from its start; lanes are the threads that recorded):")
+    for line in text_summary(events).splitlines():
+        print(f"    {line}")
+    cpu = {b.index for b in plan.buckets if b.optimizer_site == "cpu"}
+    kinds = {(kind, bucket) for _, kind, bucket, _, _ in spans(events)}
+    check(all(("step", b) in kinds for b in cpu), f"each of the {len(cpu)} CPU-stepped buckets has its step span")
+    mirrored = {b.index for b in opt.buckets if b.mirror and b.site == "cpu"}
+    check(all(("upload", b) in kinds for b in mirrored),
+          f"each of the {len(mirrored)} mirrored CPU buckets has its upload span")
+
+
+def offload_case(args, overrides: dict, data, dtype: torch.dtype, compute: str = "inductor",
+                 gpu_buckets: int | None = 0) -> None:
     """socompile on the GPU: the real path (model on the GPU, separate host master, uploads per bucket).
-    ``compute``: the backend's compiler of the forward/backward ('eager' runs the graph's aten ops one by one)."""
+    ``compute``: the backend's compiler of the forward/backward ('eager' runs the graph's aten ops one by one).
+    ``gpu_buckets``: the buckets whose optimizer stays on the GPU, None for the planner's choice."""
     name = {torch.bfloat16: "bf16 weights", torch.float32: "fp32 weights + bf16 autocast"}[dtype]
     name += "" if compute == "inductor" else f", {compute} compute"
+    name += f", {choice_name(gpu_buckets)}"
     torch._dynamo.reset()     # a fresh compile with this backend (no guards of the previous case's compile)
     torch.manual_seed(0)
     model = build(args.preset, **overrides).to(device="cuda", dtype=dtype)
@@ -150,7 +216,7 @@ def offload_case(args, overrides: dict, data, dtype: torch.dtype, compute: str =
     opt = socompile.AdamW(model.parameters(), lr=1e-4)
     if opt.host_master != "separate":
         raise RuntimeError(f"socompile.AdamW chose host_master={opt.host_master!r} for CUDA parameters")
-    pins = {} if args.gpu_buckets < 0 else {"gpu_buckets": args.gpu_buckets}
+    pins = {} if gpu_buckets is None else {"gpu_buckets": gpu_buckets}
     backend = socompile.SuperOffload(target=args.target, bucket_size=args.bucket_size, compute=compute, **pins)
     # The loss is compiled with the model: a loss computed outside the graph holds ~3 fp32 copies of the logits
     # (0.7 GiB here) that the plan cannot see (the first GPU run measured 128% of the plan that way).
@@ -180,6 +246,13 @@ def offload_case(args, overrides: dict, data, dtype: torch.dtype, compute: str =
     print(f"  host: {pinned / 2**30:.1f} GiB of pinned fp32 master/gradients/moments; losses "
           f"{', '.join(f'{v:.3f}' for v in losses[:3])} ... {losses[-1]:.3f}")
     check(all(v == v for v in losses), "every loss is finite")
+    if ctx is not None and ctx.plan is not None:
+        x, y = data[-1]
+
+        def forward():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return cmodel(x, y)
+        print_timeline(opt, ctx.plan, forward, torch.cuda.synchronize)
     last = sum(losses[-2:]) / 2
     check(len(losses) > 2 and last < losses[0],
           f"the loss falls: {losses[0]:.3f} -> {last:.3f} (mean of the last two) over {len(losses)} steps")
@@ -222,10 +295,10 @@ def main() -> None:
     parser.add_argument("--target", default="gh200")
     parser.add_argument("--bucket-size", default="64MB")
     parser.add_argument("--offload-dtype", choices=("bf16", "fp32", "both"), default="bf16")
-    parser.add_argument("--gpu-buckets", type=int, default=0,
-                        help="buckets whose optimizer stays on the GPU (default 0: every bucket is stepped on the "
-                             "CPU, the offload path; -1: the planner decides, which for a model this small next to "
-                             "the GPU's memory may keep them all on the GPU)")
+    parser.add_argument("--gpu-buckets", type=parse_gpu_buckets, default=parse_gpu_buckets("0,planner"),
+                        help="comma-separated: buckets whose optimizer stays on the GPU, each a case (default "
+                             "'0,planner': every bucket stepped on the CPU, the offload path, and the planner's "
+                             "own choice, the GPU-resident tail of the design)")
     parser.add_argument("--skip-baseline", action="store_true", help="only the socompile case(s)")
     parser.add_argument("--emulated", action="store_true",
                         help="no GPU: only the equality check, on the emulated CUDA device "
@@ -236,6 +309,8 @@ def main() -> None:
         if resolve_runtime() != "emulated":
             sys.exit("--emulated needs SOCOMPILE_RUNTIME=emulated in the environment")
         equals_eager_check(device="cpu")
+        for gpu_buckets in args.gpu_buckets:
+            emulated_timeline(gpu_buckets)
         return
     if not torch.cuda.is_available():
         sys.exit(f"bench/gpu_step.py needs a CUDA GPU; torch {torch.__version__} (CUDA build: {torch.version.cuda}) "
@@ -264,7 +339,10 @@ def main() -> None:
         guarded("without offload", baseline, failures)
     dtypes = {"bf16": [torch.bfloat16], "fp32": [torch.float32], "both": [torch.bfloat16, torch.float32]}
     for dtype in dtypes[args.offload_dtype]:
-        guarded(f"with offload ({dtype})", lambda dtype=dtype: offload_case(args, overrides, data, dtype), failures)
+        for gpu_buckets in args.gpu_buckets:
+            guarded(f"with offload ({dtype}, {choice_name(gpu_buckets)})",
+                    lambda dtype=dtype, k=gpu_buckets: offload_case(args, overrides, data, dtype, gpu_buckets=k),
+                    failures)
     # eager compute: the device peak as the plan counts it (each aten op's output freed after its last use)
     guarded("with offload (bf16, eager compute)",
             lambda: offload_case(args, overrides, data, torch.bfloat16, "eager"), failures)

@@ -16,6 +16,7 @@ bucket step and per gradient tensor (measure_bucket_overhead, any machine), per 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -36,6 +37,7 @@ ATTENTION_TOKENS = 2048
 # cache (measure_cold_matmul_flops).
 MATMUL_SIDES = (128, 256, 512)
 MATMUL_TALL = 8
+MATMUL_RUN_SECONDS = 0.1   # the most one timed run of a shape's matmuls takes (measure_cold_matmul_flops)
 MATMUL_OPERAND_BYTES = 16 * 2**20
 # Operand size of the elementwise measurement: one layer's activations of a model a CPU trains, which sit in the
 # caches, where converting bf16 to fp32 and back costs more than the bytes (bf16: ~2.5x the time per byte of fp32).
@@ -145,7 +147,14 @@ def measure_cold_matmul_flops(n: int, dtype, operand_bytes: int = MATMUL_OPERAND
     pair_bytes = (tokens * n + n * n) * torch.empty((), dtype=dtype).element_size()
     pairs = max(3, operand_bytes // pair_bytes)
     operands = [(torch.randn(tokens, n).to(dtype), torch.randn(*layouts[i % 3][1]).to(dtype), layouts[i % 3][0])
-                for i in range(pairs)]
+                for i in range(3)]
+    once = _best_of(lambda: [multiply(a, b) for a, b, multiply in operands], 1, clock) / 3
+    # A run of more than MATMUL_RUN_SECONDS gains nothing: a matmul that slow (bf16 without matrix
+    # instructions: ~80 ms at side 512) reads its operands from memory in a negligible part of its time, so
+    # cycling through more of them would only lengthen calibration (it took 12 of a quick calibration's 17 s).
+    pairs = max(3, min(pairs, int(MATMUL_RUN_SECONDS / max(once, 1e-9))))
+    operands += [(torch.randn(tokens, n).to(dtype), torch.randn(*layouts[i % 3][1]).to(dtype), layouts[i % 3][0])
+                 for i in range(3, pairs)]
 
     def run():
         for a, b, multiply in operands:
@@ -194,24 +203,38 @@ def measure_elementwise_bandwidth(dtype, nbytes: int = ELEMENTWISE_BYTES, repeat
     return 3 * a.numel() * a.element_size() * inner / _best_of(run, repeats, clock)
 
 
+def measure_matmul_rates(dtype, clock=time.perf_counter) -> tuple[KernelRate, ...]:
+    """FLOP/s of a linear layer's matmuls in ``dtype`` at each of MATMUL_SIDES, as a square and as a tall
+    product of the same FLOPs (tokens MATMUL_TALL x the width), keyed by (shortest, longest) side."""
+    rates = []
+    for side in MATMUL_SIDES:
+        rates.append(KernelRate("matmul", str(dtype), measure_cold_matmul_flops(side, dtype, clock=clock),
+                                (side, side)))
+        width = round(side / MATMUL_TALL ** (1 / 3))   # tokens x width x width: the square's FLOPs
+        rates.append(KernelRate("matmul", str(dtype), measure_cold_matmul_flops(
+            width, dtype, clock=clock, tokens=MATMUL_TALL * width), (width, MATMUL_TALL * width)))
+    return tuple(rates)
+
+
 def measure_kernel_rates(clock=time.perf_counter) -> tuple[KernelRate, ...]:
     """A CPU "device"'s rates that one FLOP rate and one bandwidth do not give: matmuls per dtype and size,
-    the attention kernels per direction, dtype and shape, and elementwise throughput per dtype."""
+    the attention kernels per direction, dtype and shape, and elementwise throughput per dtype.
+
+    The fp32 matmuls (~0.5 s of the ~25) are measured again after the bf16 ones and the faster of each pair
+    kept: on a shared 2-core VM one calibration's fp32 rate read 61-94 GFLOP/s from one run to the next, set by
+    a slow phase of a few seconds that a fastest-of-5 within 0.1 s cannot step around."""
     import torch
     rates = []
     for dtype in (torch.float32, torch.bfloat16):
-        for side in MATMUL_SIDES:
-            rates.append(KernelRate("matmul", str(dtype), measure_cold_matmul_flops(side, dtype, clock=clock),
-                                    (side, side)))
-            width = round(side / MATMUL_TALL ** (1 / 3))   # tokens x width x width: the square's FLOPs
-            rates.append(KernelRate("matmul", str(dtype), measure_cold_matmul_flops(
-                width, dtype, clock=clock, tokens=MATMUL_TALL * width), (width, MATMUL_TALL * width)))
+        rates.extend(measure_matmul_rates(dtype, clock))
         for seq, head_dim in ATTENTION_SHAPES:
             for kernel, backward in (("attention", False), ("attention_backward", True)):
                 rates.append(KernelRate(kernel, str(dtype), measure_attention_flops(seq, head_dim, dtype, backward,
                                                                                     clock=clock), (seq, head_dim)))
         rates.append(KernelRate("elementwise", str(dtype), measure_elementwise_bandwidth(dtype, clock=clock)))
-    return tuple(rates)
+    again = {r.shape: r.rate for r in measure_matmul_rates(torch.float32, clock)}
+    return tuple(dataclasses.replace(r, rate=max(r.rate, again[r.shape]))
+                 if r.kernel == "matmul" and r.dtype == str(torch.float32) else r for r in rates)
 
 
 def measure_copy_latency(repeats: int = 200, clock=time.perf_counter) -> float:
@@ -415,7 +438,12 @@ def calibrate(quick: bool = False, name: str = THIS_MACHINE, clock=time.perf_cou
         flops = measure_matmul_flops(512 if quick else 1024, clock=clock)
         fp32_flops = measure_matmul_flops(512 if quick else 1024, dtype=torch.float32, clock=clock)
         op_latency = measure_op_latency(clock=clock)
-        kernel_rates = measure_kernel_rates(clock=clock) + measure_elementwise_rates(op_latency, clock=clock)
+        kernel_rates = measure_kernel_rates(clock=clock)
+        # The least of two ~2 ms measurements ~20 s apart: one read 3.3-3.8 us in most calibrations here and
+        # 5.7-8.1 us in a slow phase of the machine (measure_kernel_rates says why the fastest of one short burst
+        # does not step around it); a tiny step dispatches thousands of ops, so it moves the step by ~20%.
+        op_latency = min(op_latency, measure_op_latency(clock=clock))
+        kernel_rates += measure_elementwise_rates(op_latency, clock=clock)
         link_latency = measure_copy_latency(clock=clock)   # a copy is a hand-off to a stream thread
         dev_mem, where = _host_memory() // 2, "no GPU: the device is this CPU"
     per_bucket, per_tensor = measure_bucket_overhead(clock=clock)

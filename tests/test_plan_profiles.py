@@ -52,14 +52,21 @@ def test_unknown_target_names_the_known_ones():
         get_profile("gh2000")
 
 
-def test_calibrate_measures_this_machine_and_writes_a_loadable_profile(tmp_path):
+@pytest.fixture(scope="module")
+def calibrated():
+    """One quick calibration of this machine for the tests that read it (~20-30 s each on 2 cores)."""
     import torch
     threads = torch.get_num_threads()
     torch.set_num_threads(1)   # as bench/sim_vs_real.py calibrates: OpenMP kernels on cores the other test
     try:                       # process also runs on take many times longer
-        hw = calibrate(quick=True)
+        return calibrate(quick=True)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_calibrate_measures_this_machine_and_writes_a_loadable_profile(calibrated, tmp_path):
+    import torch
+    hw = calibrated
     assert hw.host_bandwidth > 1e8 and hw.cpu_adam_bandwidth > 1e8 and hw.link_bandwidth > 1e8
     assert "measured" in hw.source
     assert load_profile(save_profile(hw, tmp_path / "me.json")) == hw
@@ -69,18 +76,19 @@ def test_calibrate_measures_this_machine_and_writes_a_loadable_profile(tmp_path)
                 for d in ("torch.float32", "torch.bfloat16")} <= kinds
 
 
-def test_calibrate_measures_the_runtimes_work_and_the_elementwise_families_on_a_cpu_device():
+def test_calibrate_measures_the_runtimes_work_and_the_elementwise_families_on_a_cpu_device(calibrated):
     """The terms the simulator charges a CPU "device" beyond its kernels' bytes and FLOPs: the runtime's work
-    per bucket, per gradient tensor and per flow fetch, and elements/s per elementwise family and dtype."""
+    per bucket, per gradient tensor and per flow fetch, elements/s per elementwise family and dtype, and the
+    matmuls of a linear layer's step at the squares and at the tall shapes of the same FLOPs."""
     import torch
+
+    from socompile.calibrate import MATMUL_SIDES
     if torch.cuda.is_available():
         pytest.skip("a GPU's profile charges none of these (launches and the runtime's work are hidden)")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)   # as the test above
-    try:
-        hw = calibrate(quick=True)
-    finally:
-        torch.set_num_threads(threads)
+    hw = calibrated
+    for dtype in ("torch.float32", "torch.bfloat16"):
+        shapes = {r.shape for r in hw.device_kernel_rates if r.kernel == "matmul" and r.dtype == dtype and r.rate > 0}
+        assert {(s, s) for s in MATMUL_SIDES} < shapes and any(hi >= 8 * lo for lo, hi in shapes), shapes
     # > 0: each is Python work of at least one call (microseconds); a broken measurement clamps to 0
     assert hw.cpu_bucket_overhead > 0 and hw.cpu_grad_overhead > 0 and hw.weight_fetch_overhead > 0
     for family in ("binary", "math", "reduction"):

@@ -16,3 +16,41 @@ def test_a_recorded_step_shows_copies_and_steps_on_their_own_threads_overlapping
     assert any(backward[0] < s < backward[1] for _, _, _, s, _ in steps)
     svg = to_svg(events, "test")
     assert svg.startswith("<svg") and svg.count("<rect") >= len(copies) + len(steps)
+
+
+def _gpu_step():
+    """bench/gpu_step.py as a module (it is a script: no package)."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "gpu_step.py"
+    spec = importlib.util.spec_from_file_location("gpu_step", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_step_prints_each_cpu_buckets_step_and_upload_for_both_choices_on_the_emulated_device(monkeypatch,
+                                                                                                  capsys):
+    """bench/gpu_step.py's cases run with every bucket on the CPU and with the planner's own choice, each
+    printing one step's per-bucket timeline: on the emulated device (the CUDA path: a separate host master,
+    each CPU bucket uploaded after its step) every CPU bucket's step span precedes its upload span."""
+    from training_helpers import use_emulated_device
+    use_emulated_device(monkeypatch)
+    gpu_step = _gpu_step()
+    assert gpu_step.parse_gpu_buckets("0,planner, 2") == [0, None, 2]
+    import argparse
+
+    import pytest
+    with pytest.raises(argparse.ArgumentTypeError, match="counts and 'planner'"):
+        gpu_step.parse_gpu_buckets("0,auto")
+    for choice in (0, None):
+        gpu_step.emulated_timeline(choice, steps=2)
+        out = capsys.readouterr().out
+        header = next(line for line in out.splitlines() if line.startswith("emulated device"))
+        cpu = int(header.split(" stepped on the CPU")[0].split()[-1])
+        rows = [line.split() for line in out.splitlines() if line.startswith("    ") and line.split()[1] in
+                ("step", "upload")]
+        steps = {int(r[2]): float(r[3]) for r in rows if r[1] == "step" and r[0] == "optimizer"}
+        uploads = {int(r[2]): float(r[3]) for r in rows if r[1] == "upload"}
+        assert "ok: each of the" in out and (cpu > 0) == (choice == 0)
+        assert len(steps) >= cpu and all(uploads[b] >= steps[b] for b in steps)

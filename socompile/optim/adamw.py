@@ -337,7 +337,7 @@ class AdamW(torch.optim.Optimizer):
                 step_bucket(bucket, groups)
             bucket.stepped_final()
             if self.sharding is None:   # ZeRO: only this rank's window is new; step() uploads after the gather
-                bucket.upload()   # separate host master: the new weights go to the device while backward goes on
+                self.upload_bucket(bucket)   # separate host master: the new weights go while backward goes on
             self.events.record("step_end", bucket.index)
             return
         spec = self.speculator
@@ -524,6 +524,17 @@ class AdamW(torch.optim.Optimizer):
         step's work: it waits for nothing itself."""
         return self.host_block_ledger.by_site()
 
+    def upload_bucket(self, bucket: FlatBucket) -> None:
+        """Make ``bucket``'s device weights its final master's (``FlatBucket.upload``), recorded in ``events`` as
+        an ``upload`` span where the bucket mirrors its master on a device (CUDA: when the copy was queued on the
+        h2d stream and handed back; the CPU build and the emulated device: the copy itself)."""
+        if not bucket.mirror:
+            bucket.upload()
+            return
+        self.events.record("upload_start", bucket.index)
+        bucket.upload()
+        self.events.record("upload_end", bucket.index)
+
     def upload_buckets(self, buckets: list[FlatBucket]) -> None:
         """Separate host master: upload every bucket whose master still changed since its last upload (ZeRO's
         all-gather, a loaded state), then make the compute stream wait for the uploads that no compiled forward
@@ -532,7 +543,7 @@ class AdamW(torch.optim.Optimizer):
         build: the copies are already done)."""
         for bucket in upload_order(buckets):
             if bucket.dirty:
-                bucket.upload()
+                self.upload_bucket(bucket)
         for bucket in buckets:
             if bucket.mirror and not bucket.graph_waits_upload:
                 bucket.wait_upload_on_compute()

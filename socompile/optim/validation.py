@@ -185,4 +185,4 @@ def upload_final(opt: "AdamW", bucket: FlatBucket) -> None:
     now, rolled back by the inverse), so its copy overlaps the rest of ``step()`` and the next forward.
     ZeRO: not yet; only this rank's window is new until the all-gather (``upload_buckets`` after it)."""
     if bucket.dirty and opt.sharding is None:
-        bucket.upload()
+        opt.upload_bucket(bucket)

@@ -18,6 +18,7 @@ from ..runtime.events import Event
 
 LANES = (("compute", "compute (graph)"), ("h2d", "h2d stream"), ("optimizer", "CPU optimizer"))
 SPANS = {"h2d_start": ("h2d_end", "h2d", "#4e79a7"), "step_start": ("step_end", "optimizer", "#e15759"),
+         "upload_start": ("upload_end", None, "#76b7b2"),   # lane: the thread that uploads (worker or step())
          "forward_start": ("forward_end", "compute", "#bab0ac"), "backward_start": ("backward_end", "compute", "#d4cfcb")}
 MARKS = {"fw_wait": "#59a14f", "bw_wait": "#59a14f", "fw_release": "#f28e2b", "bw_release": "#f28e2b",
          "grads_ready": "#b07aa1", "commit": "#000000"}
@@ -42,7 +43,7 @@ def spans(events: list[Event]) -> list[tuple[str, str, int, float, float]]:
         for start, (end, lane, _) in SPANS.items():
             if e.kind == end and (start, e.bucket) in open_:
                 s = open_.pop((start, e.bucket))
-                out.append((lane, start[:-6], e.bucket, (s.t_ns - t0) / 1e9, (e.t_ns - t0) / 1e9))
+                out.append((lane or _lane(s), start[:-6], e.bucket, (s.t_ns - t0) / 1e9, (e.t_ns - t0) / 1e9))
     return out
 
 
@@ -82,7 +83,8 @@ def to_svg(events: list[Event], title: str, width: int = 900) -> str:
         px = left + i / 5 * (width - left - 10)
         anchor = "start" if i == 0 else "end" if i == 5 else "middle"
         parts.append(f'<text x="{px:.1f}" y="{axis_y}" text-anchor="{anchor}">{t / 1e6:.1f} ms</text>')
-    legend = [("weight copy (h2d)", "#4e79a7"), ("bucket step", "#e15759"), ("flow wait", "#59a14f"),
+    legend = [("weight copy (h2d)", "#4e79a7"), ("bucket step", "#e15759"), ("upload", "#76b7b2"),
+              ("flow wait", "#59a14f"),
               ("flow release", "#f28e2b"), ("grads handed to optimizer", "#b07aa1")]
     lx = left
     for label, color in legend:
@@ -127,6 +129,26 @@ def record_step(preset: str = "tiny", layers: int = 2, batch: int = 8, seq: int 
         opt.step()
         opt.zero_grad()
     return opt.events.events(), backend.compiled[0]
+
+
+def record_one_step(opt, forward, sync=lambda: None) -> list[Event]:
+    """The events of one training step: ``forward()`` returns the loss, then backward, ``opt.step()`` and
+    ``opt.zero_grad()``, then the wait for the CPU jobs those returned before (``opt.wait_pending``), so every
+    bucket's step and upload is in; ``sync`` (e.g. ``torch.cuda.synchronize``) runs before the first event and
+    after that wait, so the step's queued device work is inside them too."""
+    sync()
+    opt.events.clear()
+    opt.events.record("forward_start")
+    loss = forward()
+    opt.events.record("forward_end")
+    opt.events.record("backward_start")
+    loss.backward()
+    opt.events.record("backward_end")
+    opt.step()
+    opt.zero_grad()
+    opt.wait_pending("record_one_step")
+    sync()
+    return opt.events.events()
 
 
 def chrome_trace(events: list[Event], pid: int = chrome_trace_format.MEASURED_PID) -> dict:
