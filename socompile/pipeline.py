@@ -201,9 +201,23 @@ def _bind_runtime(ctx: CompileContext, claim) -> None:
     kind = _runtime_kind(ctx)
     device = ctx.param_objects[next(iter(ctx.param_objects))].device
     ctx.offload = OffloadRuntime(ctx.plan, claim.buckets, device_runtime(device, kind), events=ctx.optimizer.events,
-                                 traffic=ctx.optimizer.traffic_ledger)
+                                 traffic=ctx.optimizer.traffic_ledger,
+                                 before_host_read=_bucket_waiter(ctx.optimizer))
     claim.offload_runtimes = [*getattr(claim, "offload_runtimes", []), ctx.offload]
     ctx.flow_schedule = flow_schedule(ctx.plan, ctx.ir)
+
+
+def _bucket_waiter(optimizer):
+    """``optimizer.wait_bucket``, through a weak reference: the offload runtime lives in the optimizer's claim,
+    which must not keep the optimizer alive (a deleted optimizer's graphs raise at their next backward)."""
+    import weakref
+    ref = weakref.ref(optimizer)
+
+    def wait(flat) -> None:
+        opt = ref()
+        if opt is not None:
+            opt.wait_bucket(flat)
+    return wait
 
 
 def _runtime_kind(ctx: CompileContext) -> str:

@@ -46,9 +46,10 @@ def slow_jobs(monkeypatch, fail_at_step: int | None = None):
     return calls
 
 
-def run(monkeypatch, steps=3, wait_every_job=False, calls=None):
+def run(monkeypatch, steps=3, wait_every_job=False, calls=None, weight_mode="stationary", bucket_size="64KB"):
     """Train a 4-layer model with its first bucket stepped on the (emulated) GPU and an LR schedule that changes
-    every step; returns (losses, model, opt, backend)."""
+    every step; returns (losses, model, opt, backend). ``weight_mode="flow"``: the CPU buckets' weights are
+    fetched per use instead of uploaded."""
     monkeypatch.setenv("SOCOMPILE_RUNTIME", "emulated")
     monkeypatch.setenv("SOCOMPILE_EMULATION_SEED", "0")
     emulated_device(0).hazards.clear()
@@ -59,8 +60,9 @@ def run(monkeypatch, steps=3, wait_every_job=False, calls=None):
     model = build("tiny", n_layers=4)
     opt = socompile.AdamW(model.parameters(), **HYP)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + k))
-    backend = socompile.SuperOffload({"compute": "eager", "gpu_buckets": 1, "bucket_size": "64KB",
-                                      "weight_mode": "stationary"})
+    flow = {"prefetch_distance": 1} if weight_mode == "flow" else {}
+    backend = socompile.SuperOffload({"compute": "eager", "gpu_buckets": 1, "bucket_size": bucket_size,
+                                      "weight_mode": weight_mode, **flow})
     cmodel = torch.compile(model, backend=backend)
     losses = []
     for k, (x, y) in enumerate(batches(steps)):
@@ -143,3 +145,40 @@ def test_a_failed_cpu_job_is_raised_at_the_next_read_of_its_bucket_naming_it(mon
         run(monkeypatch, calls=calls)
     assert any("CPU optimizer job of bucket" in note for note in getattr(raised.value, "__notes__", [])), \
         getattr(raised.value, "__notes__", None)
+
+
+def test_flowing_buckets_return_early_too_each_fetch_waiting_for_its_bucket_and_without_that_wait_old_weights(
+        monkeypatch):
+    """Flowing weights have no upload: the next forward's fetch of a CPU bucket (runtime/offload.py prefetch)
+    reads its host copy, so the fetch waits for that bucket's job, and ``step()`` returns before the jobs as for
+    stationary buckets. The run equals the one that waits for every job to the bit; with the fetch's wait
+    removed it reads weights the job has not written yet."""
+    slow_jobs(monkeypatch)
+    flow = dict(weight_mode="flow", bucket_size="256KB")   # ~10 buckets: fewer delayed jobs than 64KB's ~38
+    ours, model, opt, _ = run(monkeypatch, **flow)
+    cpu = [b.index for b in opt.buckets if b.site == "cpu"]
+    assert len(cpu) >= 2 and all(b.flow for b in opt.buckets if b.site == "cpu")
+    events = opt.events.events()
+    returns = [i for i, e in enumerate(events) if e.kind == "step_return"]
+    window = events[returns[1]:returns[2]]
+    late = [i for i, e in enumerate(window) if e.kind == "step_end" and e.bucket in cpu
+            and not any(f.kind == "grads_ready" and f.bucket == e.bucket for f in window[:i])]
+    forward = next(i for i, e in enumerate(window) if e.kind == "forward")
+    assert late and forward < late[-1], "step() waited for every CPU step, or the forward began after them"
+    for b in cpu:   # the bucket's step of the last step ended before its forward fetch
+        fetched = next(i for i, e in enumerate(window) if e.kind == "fw_prefetch" and e.bucket == b)
+        assert not [e for e in window[fetched:] if e.kind == "step_end" and e.bucket == b
+                    and not any(f.kind == "grads_ready" and f.bucket == b for f in window[fetched:])], b
+    waits = {site: n["calls"] for (thread, kind, site), n in opt.host_blocks().items()
+             if thread == "training" and kind == "CPU worker job"}
+    assert waits == {"forward: the bucket's first read": len(cpu)}
+    with opt.materialized_weights():
+        weights = [p.detach().clone() for p in model.parameters()]
+    with monkeypatch.context() as removed:
+        removed.setattr(adamw_module.AdamW, "wait_bucket", lambda self, bucket: None)
+        unwaited, _, _, _ = run(monkeypatch, **flow)
+    ref, ref_model, ref_opt, _ = run(monkeypatch, wait_every_job=True, **flow)   # patches for good: last
+    assert ours == ref
+    with ref_opt.materialized_weights():
+        assert all(torch.equal(p, q) for p, q in zip(weights, ref_model.parameters()))
+    assert unwaited[0] == ref[0] and unwaited[1:] != ref[1:]

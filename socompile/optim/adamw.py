@@ -267,7 +267,7 @@ class AdamW(torch.optim.Optimizer):
                     f"gives them back). Use fp32 moments for this model, or plan for a host with more memory.")
             bucket.use_rollback(mode)
         for runtime in getattr(claim, "offload_runtimes", ()):   # the graph's device staging of its uploads
-            runtime.attach_upload_staging()
+            runtime.attach_buckets()
         claim.laid_out()
         self._rebuild_pool()
 
@@ -418,13 +418,14 @@ class AdamW(torch.optim.Optimizer):
     def _may_return_before(self, buckets: list[FlatBucket], script_changed: list[FlatBucket]) -> set[int]:
         """ids of the buckets whose CPU step ``step()`` need not wait for: a final step with nothing to
         validate (ping-pong: taken into the spare and swapped in by the job itself), whose updated weights
-        the next compiled forward waits for right before its first read (``graph_waits_upload``). Every other
+        the next compiled forward waits for right before its first read (``graph_waits_upload``; a flowing
+        bucket: its fetch waits for the job, ``graph_fetches``). Every other
         bucket is waited for: validation decides over all of them; ZeRO all-gathers after the step; a
         script's own gradient change is redone in step(); an unread bucket has nobody else to wait for it."""
         if script_changed or self._validating() or self.sharding is not None:
             return set()
         return {id(b) for b in buckets if self._jobs.running(b) and not self._jobs.has_then(b) and b.mirror
-                and b.graph_waits_upload and b.rollback_mode == "pingpong"}
+                and (b.graph_waits_upload or b.graph_fetches) and b.rollback_mode == "pingpong"}
 
     def _end_step_of(self, bucket: FlatBucket) -> None:
         """The end of a ``step()`` that returned before ``bucket``'s CPU job ended (training thread, once the

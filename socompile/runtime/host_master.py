@@ -101,6 +101,7 @@ class HostMasterCopies:
         self.grad_event = None         # CUDA: the D2H copy of the last gradients (the CPU step waits on it)
         self.upload_event = None       # CUDA: the last upload (host buffers it reads are not rewritten before it)
         self._upload_waited = True     # the compute stream was told to wait for upload_event
+        self.graph_fetches = False        # a compiled graph's flow fetch waits for the CPU job (read_first_by_fetch)
         self.graph_waits_upload = False   # a compiled forward waits for the upload before its first read of the
         #                                   bucket (passes/wait_uploads.py); else opt.step() makes compute wait
         self.fw_rank = None            # position of the bucket's first read in the compiled forward (upload order)
@@ -280,6 +281,11 @@ class HostMasterCopies:
         rt.copy_async(staging, self.master, h2d)
         self.upload_issued(rt.copy_async(self.weights, staging, h2d), compute_waits=False)   # after the copy
         self.upload_staging.used(slot, self.upload_event)
+
+    def read_first_by_fetch(self) -> None:
+        """A compiled graph's flow fetch waits for this bucket's CPU job on the host before it reads the master
+        or its bf16 stage (runtime/offload.py), as ``wait_upload`` does for a stationary bucket."""
+        self.graph_fetches = True
 
     def read_first_by_graph(self, rank: int) -> None:
         """A compiled forward waits for this bucket's upload before its first read (passes/wait_uploads.py), the

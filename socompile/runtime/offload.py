@@ -3,7 +3,8 @@ device byte it holds, and records what it did when (for tests and the timeline i
 
 The weight-flow ops (ops/offload_ops.py) call into it by handle:
 
-    prefetch(phase, b)   allocate b's device buffer (booked), queue the host->device copy on the "h2d" stream
+    prefetch(phase, b)   wait for b's CPU step if one is still running (``before_host_read``), allocate b's
+                         device buffer (booked), queue the host->device copy on the "h2d" stream
     wait(phase, b)       the compute stream waits for that copy's event; the buffer is handed to the graph
     release(phase, b)    un-book it; the graph drops its last reference right after its last use
 
@@ -33,8 +34,11 @@ PHASE_NAMES = {"fw": "forward", "bw": "backward"}
 
 class OffloadRuntime:
     def __init__(self, plan, buckets, device: DeviceRuntime, events: EventLog | None = None,
-                 traffic: TrafficLedger | None = None):
+                 traffic: TrafficLedger | None = None, before_host_read=None):
+        """``before_host_read(flat)``: called before a fetch reads the host copy of ``flat`` (the optimizer's
+        wait for that bucket's CPU job, which ``opt.step()`` may have returned before)."""
         self.plan = plan
+        self.before_host_read = before_host_read
         self.buckets = buckets                  # FlatBuckets of the optimizer's claim, by plan index
         self.device = device
         self.h2d = device.stream("h2d")
@@ -61,7 +65,7 @@ class OffloadRuntime:
                     flat.numel * weights.element_size()   # device-side ZeRO's padding: its own ledger
                 self.ledger.alloc("stationary weights", b.index, nbytes)
         self.upload_staging = self._upload_staging()
-        self.attach_upload_staging()
+        self.attach_buckets()
         self.handle = handles.register(self)
 
     def _upload_staging(self) -> UploadStaging | None:
@@ -76,12 +80,17 @@ class OffloadRuntime:
         self.ledger.alloc(STAGING, "uploads", staging.nbytes)
         return staging
 
-    def attach_upload_staging(self) -> None:
-        """Hand the staging to the device-cast buckets (again after the optimizer laid the claim out anew)."""
+    def attach_buckets(self) -> None:
+        """Hand the staging to the device-cast buckets, and tell each CPU-stepped flow bucket that this
+        runtime's fetches wait for its CPU job (so ``opt.step()`` need not); again after the optimizer laid the
+        claim out anew."""
         cast = {b.index for b in device_cast_buckets(self.plan)}
         for b, flat in zip(self.plan.buckets, self.buckets):
             if b.index in cast and self.upload_staging is not None:
                 flat.use_upload_staging(self.upload_staging)
+            if self.before_host_read is not None and b.weight_mode == "flow" and b.optimizer_site == "cpu" \
+                    and hasattr(flat, "read_first_by_fetch"):
+                flat.read_first_by_fetch()
 
     def numel(self, bucket: int) -> int:
         return self.buckets[bucket].numel   # a device-sharded bucket's master holds its shard only
@@ -93,6 +102,8 @@ class OffloadRuntime:
             raise RuntimeError(f"socompile: bucket {bucket} prefetched twice in {PHASE_NAMES[phase]} without a wait")
         self.ledger.set_phase(PHASE_NAMES[phase])
         flat = self.buckets[bucket]
+        if self.before_host_read is not None:
+            self.before_host_read(flat)   # the host copy is final: the bucket's CPU step has ended
         dtype = self.link_dtype[bucket]
         shard = getattr(flat, "device_shard", None)
         if shard is not None:   # device-side ZeRO: this rank's shard up, the window all-gathered on the device
