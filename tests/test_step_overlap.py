@@ -46,10 +46,10 @@ def slow_jobs(monkeypatch, fail_at_step: int | None = None):
     return calls
 
 
-def run(monkeypatch, steps=3, wait_every_job=False, calls=None, weight_mode="stationary", bucket_size="64KB"):
+def run(monkeypatch, steps=3, wait_every_job=False, calls=None, weight_mode="stationary", bucket_size="256KB"):
     """Train a 4-layer model with its first bucket stepped on the (emulated) GPU and an LR schedule that changes
     every step; returns (losses, model, opt, backend). ``weight_mode="flow"``: the CPU buckets' weights are
-    fetched per use instead of uploaded."""
+    fetched per use instead of uploaded. 256 KB buckets: ~10 of them, so the delayed jobs add ~1 s per step."""
     monkeypatch.setenv("SOCOMPILE_RUNTIME", "emulated")
     monkeypatch.setenv("SOCOMPILE_EMULATION_SEED", "0")
     emulated_device(0).hazards.clear()
@@ -154,7 +154,7 @@ def test_flowing_buckets_return_early_too_each_fetch_waiting_for_its_bucket_and_
     stationary buckets. The run equals the one that waits for every job to the bit; with the fetch's wait
     removed it reads weights the job has not written yet."""
     slow_jobs(monkeypatch)
-    flow = dict(weight_mode="flow", bucket_size="256KB")   # ~10 buckets: fewer delayed jobs than 64KB's ~38
+    flow = dict(weight_mode="flow")
     ours, model, opt, _ = run(monkeypatch, **flow)
     cpu = [b.index for b in opt.buckets if b.site == "cpu"]
     assert len(cpu) >= 2 and all(b.flow for b in opt.buckets if b.site == "cpu")
