@@ -90,3 +90,39 @@ def test_a_device_bucket_norm_is_read_from_the_device_once_and_only_when_asked(r
     assert ledger.by_site() == (expected if reads else {})
     host = types.SimpleNamespace(site="cpu", runtime=None, host_blocks=ledger)
     assert _device_blocks(host) is None   # host memory: nothing to wait for
+
+
+PLAN_SHAPES = {   # name: (runtime, dtype, max_grad_norm, backend options)
+    "emulated fp32 stationary": ("emulated", torch.float32, None, dict(weight_mode="stationary", gpu_buckets=0)),
+    "emulated bf16 flow": ("emulated", torch.bfloat16, None, dict(weight_mode="flow", prefetch_distance=1,
+                                                                  gpu_buckets=0)),
+    "emulated fp32 gpu buckets, clip": ("emulated", torch.float32, 1.0, dict(weight_mode="stationary",
+                                                                            gpu_buckets=2)),
+    "emulated bf16 flow, clip": ("emulated", torch.bfloat16, 1.0, dict(weight_mode="flow", gpu_buckets=0)),
+    "cpu fp32 flow": ("cpu", torch.float32, None, dict(weight_mode="flow", gpu_buckets=0)),
+}
+
+
+@pytest.mark.parametrize("shape", PLAN_SHAPES)
+def test_the_training_threads_waits_for_cpu_jobs_are_the_plans(monkeypatch, shape):
+    """The plan's ``cpu_job_waits_per_step`` (plan/host_waits.py: the rule opt.step() applies, counted per
+    CPU-stepped bucket) equals the "CPU worker job" waits opt.host_blocks() books on the training thread, site by
+    site: without validation at each bucket's first read (stationary: wait_upload; flowing: its fetch), with
+    validation in step(), none on the CPU build (it steps inline)."""
+    runtime, dtype, clip, options = PLAN_SHAPES[shape]
+    if runtime == "emulated":
+        use_emulated_device(monkeypatch)
+    torch.manual_seed(0)
+    model = build("tiny", n_layers=2).to(dtype)
+    opt = socompile.AdamW(model.parameters(), lr=1e-3, max_grad_norm=clip)
+    backend = socompile.SuperOffload(compute="eager", bucket_size="256KB", runtime=runtime, **options)
+    cmodel = torch.compile(model, backend=backend)
+    for x, y in batches(3):
+        lm_loss(cmodel(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    predicted = dict(backend.compiled[0].plan.prediction("cpu_job_waits_per_step"))
+    booked = {site: n["calls"] for site, n in training_waits(opt, WORKER_WAIT).items()}
+    assert booked == predicted
+    cpu = sum(b.site == "cpu" for b in opt.buckets)
+    assert sum(predicted.values()) == (cpu if runtime == "emulated" else 0)

@@ -63,7 +63,7 @@ GUARDED = (
     Wait("backward waits for a saved activation's copy back to the device before reading it",
          "runtime/activation_offload.py", "self.device.wait_on_compute(done)", ("activations_offload",)),
     Wait("the forward's first read of a bucket waits for its CPU job (step() returned before it ended)",
-         "optim/adamw.py", 'self._jobs.wait(bucket, "forward: the bucket\'s first read")', ("stationary",),
+         "optim/adamw.py", 'self._jobs.wait(bucket, FIRST_READ)', ("stationary",),
          max_delay_ms=30),
     Wait("a side stream's copy waits for the compute stream's work so far (copy_async: activations, fetches)",
          "runtime/device.py", "stream.stream.wait_stream(self.api.current_stream())", ("activations_offload",)),
@@ -91,7 +91,7 @@ NOT_SEEN_BY_TIMING = (
     # backward, which follows the compute stream's wait for this upload (wait_upload); a rollback or redo in
     # step() writes without that chain, before the next forward, and the upload has landed by then
     Wait("step() waits for the CPU jobs of the buckets it settles (validation needs every norm partial)",
-         "optim/adamw.py", 'self._jobs.wait(bucket, "step: the buckets it settles")', ("clip_commits",),
+         "optim/adamw.py", 'self._jobs.wait(bucket, SETTLED)', ("clip_commits",),
          max_delay_ms=30),
     # step() waits for the same gradient copy itself (wait_grads) and the job after it takes microseconds on
     # the tiny model: the window in which validation would race the speculating job does not open

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..options import parse_bytes
+from ..plan.host_waits import FIRST_READ, SETTLED, step_returns_before
 from ..runtime.cpu_adam import grad_stats, step_bucket
 from ..runtime.device import Runtimes
 from ..runtime.events import EventLog
@@ -391,7 +392,7 @@ class AdamW(torch.optim.Optimizer):
     def wait_bucket(self, bucket: FlatBucket) -> None:
         """The training thread is about to need ``bucket``'s host state (the next forward's first read of its
         weights): wait for its CPU job only, and end the step that ``step()`` left to it."""
-        self._jobs.wait(bucket, "forward: the bucket's first read")
+        self._jobs.wait(bucket, FIRST_READ)
 
     # NOTE: opt.state is read after the CPU jobs step() did not wait for: its moments and step counts are
     # final (as after torch's step()) whenever a script, a scheduler or a checkpoint reads them.
@@ -422,10 +423,13 @@ class AdamW(torch.optim.Optimizer):
         bucket: its fetch waits for the job, ``graph_fetches``). Every other
         bucket is waited for: validation decides over all of them; ZeRO all-gathers after the step; a
         script's own gradient change is redone in step(); an unread bucket has nobody else to wait for it."""
-        if script_changed or self._validating() or self.sharding is not None:
+        if script_changed:
             return set()
-        return {id(b) for b in buckets if self._jobs.running(b) and not self._jobs.has_then(b) and b.mirror
-                and (b.graph_waits_upload or b.graph_fetches) and b.rollback_mode == "pingpong"}
+        validating, sharded = self._validating(), self.sharding is not None
+        return {id(b) for b in buckets if self._jobs.running(b) and not self._jobs.has_then(b)
+                and step_returns_before(validating=validating, sharded=sharded, mirror=b.mirror,
+                                        graph_waits=b.graph_waits_upload or b.graph_fetches,
+                                        pingpong=b.rollback_mode == "pingpong")}
 
     def _end_step_of(self, bucket: FlatBucket) -> None:
         """The end of a ``step()`` that returned before ``bucket``'s CPU job ended (training thread, once the
@@ -455,7 +459,7 @@ class AdamW(torch.optim.Optimizer):
         later = self._may_return_before(buckets, script_changed)
         for bucket in buckets:
             if id(bucket) not in later:
-                self._jobs.wait(bucket, "step: the buckets it settles")
+                self._jobs.wait(bucket, SETTLED)
         if script_changed:
             self.speculator.stats.script_changed_steps += 1
             undo_for_script_gradients(self, script_changed)

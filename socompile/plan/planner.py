@@ -46,6 +46,7 @@ from .placement import (_apply_flow, _moment_prediction, _parallel_predictions, 
                         _speculation, _weight_dtype_prediction, _with_k)
 from .transfers import per_step_traffic
 from .plan import BucketPlan, Plan
+from .host_waits import per_step_job_waits
 from .host_work import per_step_host_work
 from .rollback import host_layout, rollback_modes
 from .search_state import PlanError, _compact_buckets, _Context, _device, _formula  # noqa: F401
@@ -197,9 +198,14 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
                               weight_bytes=weight_bytes, validating=bool(options.clipping),
                               speculation=_speculation(options), host_is_device=host_is_device,
                               moment_bytes=layout.moment_bytes, world=world)
+    # Where the training thread waits for the CPU jobs in a step (the rule opt.step() applies): what
+    # opt.host_blocks() books as "CPU worker job" waits.
+    job_waits = per_step_job_waits(final, ir, validating=bool(options.clipping), sharded=world > 1,
+                                   shared_master=layout.shared_master, host_is_device=host_is_device)
     final = dataclasses.replace(final, predicted=final.predicted + (
         ("link_bytes_per_step", tuple((" ".join(key), int(v)) for key, v in sorted(traffic.items()))),
         ("host_work_bytes_per_step", tuple((purpose, int(r), int(w)) for purpose, (r, w) in sorted(work.items()))),
+        ("cpu_job_waits_per_step", tuple(sorted(job_waits.items()))),
         ("runtime_device_peak_bytes", int(runtime["peak"])),
         ("runtime_device_phase_peak_bytes", tuple((k, int(runtime["fixed"] + v))
                                                   for k, v in sorted(runtime["flow_phase_peak"].items())))))

@@ -10,6 +10,7 @@ import json
 import re
 
 from ..hardware.cpu_adam import adam_kernel_bytes
+from ..plan.host_waits import FIRST_READ, SETTLED
 from ..plan.plan import BucketPlan, Plan
 from ..units import human_bytes
 
@@ -138,6 +139,14 @@ def host_work_line(work) -> str:
             + ", ".join(f"{p} {human_bytes(r)} / {human_bytes(w)}" for p, r, w in work) + ")")
 
 
+def job_waits_line(waits) -> str:
+    """'training thread waits for CPU jobs per step: 8 at the buckets' first reads in the next forward, 2 in
+    opt.step()': the plan's ``cpu_job_waits_per_step`` (what ``opt.host_blocks()`` books), (site, count) pairs."""
+    counts = dict(waits)
+    return (f"training thread waits for CPU jobs per step: {counts.get(FIRST_READ, 0)} at the buckets' first reads "
+            f"in the next forward (opt.step() returns before them), {counts.get(SETTLED, 0)} in opt.step()")
+
+
 def _summary(plan: Plan, pred: dict) -> list[str]:
     out = []
     if "device_peak_bytes" in pred:
@@ -165,6 +174,8 @@ def _summary(plan: Plan, pred: dict) -> list[str]:
         out.append(link_line(pred["link_bytes_per_step"]))
     if pred.get("host_work_bytes_per_step"):
         out.append(host_work_line(pred["host_work_bytes_per_step"]))
+    if pred.get("cpu_job_waits_per_step"):
+        out.append(job_waits_line(pred["cpu_job_waits_per_step"]))
     if "step_time_s" in pred:
         out.append(f"step: {pred['step_time_s'] * 1e3:.1f} ms (forward {pred['forward_s'] * 1e3:.1f}, backward "
                    f"{pred['backward_s'] * 1e3:.1f}, exposed optimizer tail {pred['exposed_tail_s'] * 1e3:.1f}); "
