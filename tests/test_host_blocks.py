@@ -81,14 +81,14 @@ def test_a_device_bucket_norm_is_read_from_the_device_once_and_only_when_asked(r
     # The step queues its norm on the device; validation reads it (one device->host wait), a step nobody validates
     # never does. DeviceStats books the read in the bucket's ledger when its state is device memory.
     ledger = HostBlockLedger()
-    bucket = types.SimpleNamespace(site="device", runtime=types.SimpleNamespace(kind="cuda"), host_blocks=ledger)
+    bucket = types.SimpleNamespace(site="device", separate_device=True, host_blocks=ledger)
     stats = DeviceStats([torch.ones(4), torch.full((3,), 2.0)], 1.0, _device_blocks(bucket))
     for _ in range(reads):
         assert tuple(stats) == (4 + 12.0, False)
     ledger.end_step()
     expected = {("training", DEVICE_READ, "device-stepped bucket's gradient norm"): {"calls": 1, "blocked": 1}}
     assert ledger.by_site() == (expected if reads else {})
-    host = types.SimpleNamespace(site="cpu", runtime=None, host_blocks=ledger)
+    host = types.SimpleNamespace(site="cpu", separate_device=False, host_blocks=ledger)
     assert _device_blocks(host) is None   # host memory: nothing to wait for
 
 

@@ -62,7 +62,7 @@ class DeviceStats:
 def _device_blocks(bucket):
     """Where a device value read of ``bucket`` is booked: its host-block ledger when its state is device memory
     of a CUDA runtime (or the emulated one); None for host memory (a float64 bucket on the CPU build)."""
-    device_state = bucket.site == "device" and bucket.runtime is not None and bucket.runtime.kind == "cuda"
+    device_state = bucket.site == "device" and bucket.separate_device
     return bucket.host_blocks if device_state else None
 
 

@@ -100,6 +100,9 @@ class FlatBucket(HostMasterCopies):
         self.site = site               # "cpu": the CPU kernel steps the host master; "device": state on the device
         self.flow = flow and self.mirror and site == "cpu"
         self.runtime = runtime         # DeviceRuntime of the parameters' device (mirror mode)
+        # Decided once, here: the device is memory of its own (CUDA, the emulated device), reached by copies on
+        # the runtime's streams; else (the CPU build, or no runtime) the "device" is host memory, copied in place.
+        self.separate_device = runtime is not None and runtime.kind == "cuda"
         self.cast_site = cast_site     # the plan's: bf16 weights are cast from the master on the "cpu" or "device"
         self.traffic = traffic if traffic is not None else TrafficLedger()   # bytes its copies move (per step)
         self.host_work = host_work if host_work is not None else HostWorkLedger()   # bytes the host CPU moves
@@ -123,7 +126,7 @@ class FlatBucket(HostMasterCopies):
         self.storage = BucketStorage(
             site=site, separate=self.mirror, flow=self.flow, weight_dtype=_dtype_name(self.dtype),
             link_dtype="" if sharded_now else (link_dtype or ""),
-            cast_site=cast_site, pins=runtime is not None and runtime.kind == "cuda", accumulation=True,
+            cast_site=cast_site, pins=self.separate_device, accumulation=True,
             moment_dtype=_dtype_name(moment_dtype), spares=True)
         self.rank_world = (0, 1)   # the ZeRO place the buffers are laid out for (shard() moves it)
         self.master = self.make_buffer(MASTER_BUFFER)

@@ -126,7 +126,7 @@ class HostMasterCopies:
 
     def async_host_copies(self) -> bool:
         """Host buffers that the runtime's copy streams read or write asynchronously (pinned)."""
-        return self.mirror and self.site == "cpu" and self.runtime is not None and self.runtime.kind == "cuda"
+        return self.mirror and self.site == "cpu" and self.separate_device
 
     def low_out(self, into_spare: bool = False) -> torch.Tensor | None:
         """Where a kernel step may write the bf16 copy of the master it computes, in the same pass: the device
@@ -146,7 +146,7 @@ class HostMasterCopies:
         spare_ok = self._low_holds == LOW_SPARE and tuple(self.has_grad) == self._low_spare_grads
         if self._low_holds != LOW_CURRENT and not spare_ok:
             return None
-        if self.flow or (self.runtime is not None and self.runtime.kind == "cuda"):
+        if self.flow or self.separate_device:
             return self._stage16
         return self.weights
 
@@ -243,7 +243,7 @@ class HostMasterCopies:
             return
         self.traffic.add_copy("h2d", WEIGHT_UPLOAD, self.weights)   # bf16 cast on the host, or fp32 weights
         rt = self.runtime
-        if rt is None or rt.kind == "cpu":
+        if not self.separate_device:
             if self.dtype != torch.bfloat16 or not self.low_in_sync():
                 self.weights.copy_(self.master)   # the CPU build's "device" is host memory: host work
                 self.host_work.add_work(UPLOAD_COPY if self.dtype == torch.float32 else HOST_CAST,
@@ -273,7 +273,7 @@ class HostMasterCopies:
         staging, slot = self.upload_staging.take(self.numel, self.host_blocks)
         self.traffic.add_copy("h2d", WEIGHT_UPLOAD, staging)
         rt = self.runtime
-        if rt is None or rt.kind == "cpu":
+        if not self.separate_device:
             staging.copy_(self.master)
             self.weights.copy_(staging)
             return
