@@ -96,7 +96,8 @@ NOT_SEEN_BY_TIMING = (
     # step() waits for the same gradient copy itself (wait_grads) and the job after it takes microseconds on
     # the tiny model: the window in which validation would race the speculating job does not open
     Wait("a flow bucket's fetch waits for the bucket's CPU job (step() returned before it ended)",
-         "runtime/offload.py", "self.before_host_read(flat)   # the host copy is final: the bucket's CPU step has ended",
+         "runtime/offload.py",
+         "self.before_host_read(flat)   # the host copy is final once the bucket's CPU job ended",
          ("flow_d1",), max_delay_ms=30),
     # the matrix's jobs end before the next forward fetches their bucket (a 1-layer model's steps take
     # microseconds); tests/test_step_overlap.py delays every CPU job by 100 ms and fails without this wait

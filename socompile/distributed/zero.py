@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..optim.bucket_layout import alias_state
+from ..plan.bucketize import chunk_elements
 from ..plan.host_work import GATHER_COPIES, REDUCE_COPIES, copy_bytes
 from ..runtime.host_master import upload_order
 from ..runtime.sharded_bucket import widen_from_gathered, zero_pool
@@ -96,7 +97,7 @@ class ZeroSharding:
 
     def shard_of(self, bucket) -> _Shard:
         bucket.shard(self.rank, self.world)   # no-op once sharded (buckets made after shard_optimizer are)
-        chunk = -(-bucket.numel // self.world)
+        chunk = chunk_elements(bucket.numel, self.world)
         return _Shard(*bucket.window, chunk, chunk * self.world)
 
     def unshard_state(self, buckets) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..ledger_names import ACCUMULATION, LANDING, MASTER, MOMENTS, SPARES, STAGING
+from .bucketize import chunk_elements
 
 # The names of a bucket's buffers (what the runtime asks for), each booked under a ledger purpose.
 MASTER_BUFFER = "master"
@@ -107,7 +108,7 @@ class BufferSpec:
 def shard_window(numel: int, rank: int, world: int) -> tuple[int, int]:
     """Elements [lo, hi) of a bucket of ``numel`` that ``rank`` of ``world`` owns: equal chunks of
     ceil(numel / world) (the reduce-scatter pads the bucket to world chunks); the last ones may be short or empty."""
-    chunk = -(-numel // world)
+    chunk = chunk_elements(numel, world)
     lo = min(rank * chunk, numel)
     return lo, min(lo + chunk, numel)
 
@@ -134,7 +135,7 @@ def bucket_buffers(storage: BucketStorage, numel: int, rank: int = 0, world: int
     s = storage
     state = s.state_dtype
     cut = shard_layout(s, world)
-    chunk = -(-numel // max(1, world))
+    chunk = chunk_elements(numel, world)
     lo, hi = shard_window(numel, rank, world)
     window = chunk if cut == "chunk" else hi - lo if cut == "window" else numel
     if not s.host_stepped:

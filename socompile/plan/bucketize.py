@@ -28,6 +28,12 @@ def bucketize(ordered: list[tuple[str, int]], bucket_bytes: int) -> list[list[st
     return buckets
 
 
+def chunk_elements(numel: int, world: int) -> int:
+    """Elements of each of the ``world`` equal chunks a ZeRO bucket of ``numel`` is cut into: ceil(numel / world)
+    (the reduce-scatter pads the bucket to ``world`` chunks; the last ranks' windows may be short or empty)."""
+    return -(-numel // max(1, world))
+
+
 def padded_numel(numels, align: int) -> int:
     """Elements of a flat bucket laid out as runtime/flat_bucket.py does: each segment starts at a multiple
     of ``align`` elements."""

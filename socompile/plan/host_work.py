@@ -59,7 +59,7 @@ from ..hardware.cpu_adam import adam_kernel_bytes
 from ..ledger_names import ACTIVATION_FETCH, ACTIVATION_OFFLOAD
 from ..options import OFFLOADED_CHOICES
 from .bucket_buffers import BucketStorage, landing_dtype, shard_layout, shard_window
-from .bucketize import ALIGN, padded_numel
+from .bucketize import ALIGN, chunk_elements, padded_numel
 from .transfers import per_step_traffic
 
 __all__ = ["adam_kernel_bytes", "bucket_host_work", "kernel_writes_low_copy", "per_step_host_work"]
@@ -154,7 +154,7 @@ def bucket_host_work(b, sizes: list[int], *, shared_master: bool, weight_bytes: 
             and not (b.weight_mode == "stationary" and b.cast_site == "device"):
         out[HOST_CAST] = copy_bytes(numel, 4, weight_bytes)   # the whole bucket, after the all-gather
     if cut == "chunk" and weight_bytes == 2:
-        out[HOST_CAST] = copy_bytes(-(-numel // world), 4, weight_bytes)   # the master chunk into its stage
+        out[HOST_CAST] = copy_bytes(chunk_elements(numel, world), 4, weight_bytes)   # the master chunk into its stage
     return out
 
 
@@ -167,7 +167,7 @@ def zero_host_work(numel: int, rank: int, world: int, spare_swap: bool, on_devic
     """The copies ZeRO makes on the host of a bucket of ``numel`` padded elements on ``rank`` of ``world``, per
     step (module doc); ``spare_swap``: the bucket steps into its ping-pong spare and swaps it in; ``on_device``:
     device-side ZeRO, whose collectives and their copies are the device's."""
-    chunk = -(-numel // world)
+    chunk = chunk_elements(numel, world)
     lo, hi = shard_window(numel, rank, world)
     window, s = hi - lo, state_bytes
     out = {}

@@ -40,7 +40,7 @@ import sympy
 from ..dtypes import dtype_bytes, dtype_name
 from ..ledger_names import ACTIVATIONS, HOST_PURPOSES
 from .bucket_buffers import WEIGHTS_BUFFER, BucketStorage, bucket_buffers, host_entries
-from .bucketize import ALIGN, padded_numel
+from .bucketize import ALIGN, chunk_elements, padded_numel
 from .plan import BucketPlan
 from .step_timeline import StepPeak, flow_bytes_of
 
@@ -100,7 +100,7 @@ def zero_device_bytes(numels: list[int], world: int, weight_bytes: int, flow: li
     buffers) and "gradients" (the peak of the flat gradient buffers of W * ceil(numel / W) elements, made at a
     bucket's first gradient and freed once its reduce-scatter is done: two buckets adjacent in gradient order are
     live at once, one filling and one being reduced), in the weights' dtype (the link dtype of the collectives)."""
-    chunks = [-(-n // world) for n in numels]
+    chunks = [chunk_elements(n, world) for n in numels]
     padded = [c * world for c in chunks]
     flow = flow or [False] * len(numels)
     kept = weight_bytes * sum(c + p - n for c, p, n, f in zip(chunks, padded, numels, flow) if not f)

@@ -16,7 +16,7 @@ import dataclasses
 
 from ..capture.ir import IR
 from ..dtypes import dtype_bytes
-from .bucketize import ALIGN, padded_numel
+from .bucketize import ALIGN, chunk_elements, padded_numel
 from .flow_schedule import PHASES, bucket_flow_schedule
 
 # Order of events at one node: fetches and waits before it, the tensor it makes, releases after it.
@@ -106,7 +106,7 @@ def flow_bytes_of(buckets, ir: IR, align: int = ALIGN, world: int = 1) -> dict[i
     for b in buckets:
         if b.weight_mode == "flow":
             n = padded_numel([ir.params[p].numel for p in b.params], align)
-            out[b.index] = (n if world <= 1 else -(-n // world) * world) * dtype_bytes(b.param_link_dtype)
+            out[b.index] = (n if world <= 1 else chunk_elements(n, world) * world) * dtype_bytes(b.param_link_dtype)
     return out
 
 

@@ -31,7 +31,7 @@ import dataclasses
 from ..dtypes import dtype_name, gradient_link_name
 from ..ledger_names import ACTIVATION_FETCH, ACTIVATION_OFFLOAD, FLOW_FETCH, GRADIENTS, WEIGHT_UPLOAD
 from ..options import OFFLOADED_CHOICES
-from .bucketize import ALIGN
+from .bucketize import ALIGN, chunk_elements
 from .memory import device_cast_buckets, padded_numel, plan_world, weight_dtype
 
 
@@ -78,7 +78,7 @@ def bucket_transfers(plan, param_numels: dict[str, int] | None = None, align: in
 
 def _zero_transfers(b, laid_out: int, weights: str, world: int) -> list[Transfer]:
     """One rank's transfers of a CPU-stepped bucket under ZeRO (see the module doc): ``weights``, their dtype."""
-    shard = -(-laid_out // world)
+    shard = chunk_elements(laid_out, world)
     grads = gradient_link_name(weights)   # fp16: cast to fp32 on the device after the reduction
     gradients = Transfer(b.index, "d2h", grads, GRADIENTS, shard * _bytes(grads), "step")
     if b.weight_mode == "flow":

@@ -103,7 +103,7 @@ class OffloadRuntime:
         self.ledger.set_phase(PHASE_NAMES[phase])
         flat = self.buckets[bucket]
         if self.before_host_read is not None:
-            self.before_host_read(flat)   # the host copy is final: the bucket's CPU step has ended
+            self.before_host_read(flat)   # the host copy is final once the bucket's CPU job ended
         dtype = self.link_dtype[bucket]
         shard = getattr(flat, "device_shard", None)
         if shard is not None:   # device-side ZeRO: this rank's shard up, the window all-gathered on the device

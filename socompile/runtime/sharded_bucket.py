@@ -39,13 +39,10 @@ import torch
 
 from ..plan.bucket_buffers import (EXP_AVG_BUFFER, EXP_AVG_SQ_BUFFER, GRAD_BUFFER, LOW_STAGE_BUFFER,
                                    MASTER_BUFFER, shard_window)
+from ..plan.bucketize import chunk_elements
 from ..plan.host_work import HOST_CAST, copy_bytes
 from .host_master import store_gradients
 from .traffic import FLOW_FETCH, GRADIENTS as GRADIENT_LINK, WEIGHT_UPLOAD
-
-
-def chunk_of(numel: int, world: int) -> int:
-    return -(-numel // world)
 
 
 GRADIENTS = "ZeRO gradient buffers"   # device ledger categories (runtime/memory.py)
@@ -108,7 +105,7 @@ class DeviceShard:
         self.rank, self.world, self.lo, self.hi = rank, world, lo, hi
         self.index = bucket.index
         self.numel = bucket.numel
-        self.chunk = chunk_of(bucket.numel, world)
+        self.chunk = chunk_elements(bucket.numel, world)
         self.padded = self.chunk * world
         self.dtype = bucket.dtype        # gradients are gathered and reduced in it: bf16 for a bf16 model
         self.runtime = bucket.runtime
