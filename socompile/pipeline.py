@@ -21,6 +21,7 @@ The planner decides, the later steps apply: nothing after ``plan_once`` plans ag
 from __future__ import annotations
 
 import logging
+import weakref
 
 from torch import fx
 
@@ -210,7 +211,6 @@ def _bind_runtime(ctx: CompileContext, claim) -> None:
 def _bucket_waiter(optimizer):
     """``optimizer.wait_bucket``, through a weak reference: the offload runtime lives in the optimizer's claim,
     which must not keep the optimizer alive (a deleted optimizer's graphs raise at their next backward)."""
-    import weakref
     ref = weakref.ref(optimizer)
 
     def wait(flat) -> None:

@@ -43,8 +43,9 @@ CASES = {   # name: (ranks, dtype, backend options, optimizer arguments, micro-b
     "dp2 fp32, no speculation, clip": (2, "float32", {"speculate": False}, {"max_grad_norm": 1e6}, 1, "off"),
     "dp3 fp32 shared": (3, "float32", {}, {}, 1, "on"),
 }
-DEFAULT = ("dp3 bf16 separate, flow", "dp2 fp32, clip redone", "emulated dp3 fp32, clip committed")   # the rest:
-#                                                                                                      -m slow
+# The default suite runs the host path (dp 3, bf16, flow) and device-side ZeRO (dp 3, clip committed); the rest,
+# a redo included (tests/test_host_work.py has it in one process), run with -m slow.
+DEFAULT = ("dp3 bf16 separate, flow", "emulated dp3 fp32, clip committed")
 
 
 def _host_work_worker(args: dict) -> dict:
