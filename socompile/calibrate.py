@@ -145,16 +145,17 @@ def measure_cold_matmul_flops(n: int, dtype, operand_bytes: int = MATMUL_OPERAND
     tokens = tokens or n
     layouts = ((lambda a, b: a @ b.t(), (n, n)), (lambda a, b: a @ b, (n, n)), (lambda a, b: a.t() @ b, (tokens, n)))
     pair_bytes = (tokens * n + n * n) * torch.empty((), dtype=dtype).element_size()
-    pairs = max(3, operand_bytes // pair_bytes)
-    operands = [(torch.randn(tokens, n).to(dtype), torch.randn(*layouts[i % 3][1]).to(dtype), layouts[i % 3][0])
-                for i in range(3)]
+
+    def pair(i: int):
+        multiply, b_shape = layouts[i % 3]
+        return torch.randn(tokens, n).to(dtype), torch.randn(*b_shape).to(dtype), multiply
+    operands = [pair(i) for i in range(3)]
     once = _best_of(lambda: [multiply(a, b) for a, b, multiply in operands], 1, clock) / 3
     # A run of more than MATMUL_RUN_SECONDS gains nothing: a matmul that slow (bf16 without matrix
     # instructions: ~80 ms at side 512) reads its operands from memory in a negligible part of its time, so
     # cycling through more of them would only lengthen calibration (it took 12 of a quick calibration's 17 s).
-    pairs = max(3, min(pairs, int(MATMUL_RUN_SECONDS / max(once, 1e-9))))
-    operands += [(torch.randn(tokens, n).to(dtype), torch.randn(*layouts[i % 3][1]).to(dtype), layouts[i % 3][0])
-                 for i in range(3, pairs)]
+    pairs = max(3, min(operand_bytes // pair_bytes, int(MATMUL_RUN_SECONDS / max(once, 1e-9))))
+    operands += [pair(i) for i in range(3, pairs)]
 
     def run():
         for a, b, multiply in operands:

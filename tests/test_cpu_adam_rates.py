@@ -4,9 +4,7 @@ a blog ratio (docs/planner.md, "CPU Adam rates")."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import pathlib
 
 import pytest
 
@@ -14,15 +12,11 @@ from test_plan_helpers import options, profile, traced
 from socompile.hardware import PROFILES
 from socompile.hardware import cpu_adam
 from socompile.hardware.cpu_adam import MEASURED, load_measured
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from training_helpers import bench_module
 
 
 def _adam_bench():
-    spec = importlib.util.spec_from_file_location("bench_adam", ROOT / "bench" / "adam.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("adam")
 
 
 def test_every_shipped_profile_streams_the_measured_share_of_its_memory_bandwidth():

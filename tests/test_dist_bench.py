@@ -3,21 +3,15 @@ DDP) at it, and the simulated rows moving the analytic volumes. Every arm's mini
 socompile.distributed.volumes.zero_min_bytes, given the dtype the arm's link carried."""
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
 import torch
 
 from socompile.distributed.volumes import ring_share, ulysses_bytes_per_layer, zero_min_bytes
+from training_helpers import bench_module
 
 
 def _bench():
-    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "dist.py"
-    spec = importlib.util.spec_from_file_location("bench_dist", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return bench_module("dist")
 
 
 def test_the_analytic_minimum_counts_the_dtype_the_link_carries():

@@ -1,6 +1,7 @@
 """The runtime's recorded events of a real step become a timeline: flow copies on the h2d stream's thread, bucket
 steps on the optimizer's thread, overlapping the backward on the compute thread."""
 from socompile.tools.runtime_timeline import record_step, spans, to_svg
+from training_helpers import bench_module
 
 
 def test_a_recorded_step_shows_copies_and_steps_on_their_own_threads_overlapping_backward():
@@ -19,14 +20,7 @@ def test_a_recorded_step_shows_copies_and_steps_on_their_own_threads_overlapping
 
 
 def _gpu_step():
-    """bench/gpu_step.py as a module (it is a script: no package)."""
-    import importlib.util
-    import pathlib
-    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "gpu_step.py"
-    spec = importlib.util.spec_from_file_location("gpu_step", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("gpu_step")
 
 
 def test_gpu_step_prints_each_cpu_buckets_step_and_upload_for_both_choices_on_the_emulated_device(monkeypatch,

@@ -2,19 +2,14 @@
 machine and prints its ratio row and the summary line (no timing is asserted: the bench reports the ratios)."""
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import re
-import sys
+
+from training_helpers import bench_module
 
 
 def _bench():
-    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "sim_vs_real.py"
-    spec = importlib.util.spec_from_file_location("bench_sim_vs_real", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench   # its dataclasses look their module up
-    spec.loader.exec_module(bench)
-    return bench
+    return bench_module("sim_vs_real")
 
 
 def test_one_tiny_case_prints_its_simulated_and_measured_step_and_the_ratio_lines(capsys):
@@ -58,11 +53,7 @@ def test_the_per_op_tool_times_each_op_of_one_step_against_the_simulators_nodes(
     matmul of the step is a node of the compiled graphs (the optimizer's kernel is not aten), so the measured
     and simulated matmul counts are equal; the last line gives the step, the ops' share and the simulation."""
     from socompile.hardware.profiles import PROFILES, save_profile
-    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "sim_vs_real_ops.py"
-    spec = importlib.util.spec_from_file_location("bench_sim_vs_real_ops", path)
-    tool = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = tool
-    spec.loader.exec_module(tool)
+    tool = bench_module("sim_vs_real_ops")
     import dataclasses
     # no calibration (a fast smoke test), but CPU-like rates: a step of milliseconds, as the tool prints them
     cpu_like = dataclasses.replace(PROFILES["gh200"], device_is_host=True, device_op_latency=5e-6,

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
+import pathlib
+import sys
 from typing import Callable
 
 import torch
@@ -11,6 +14,17 @@ import socompile
 from socompile.data import ByteBatches, stdlib_corpus
 
 _TEXT = None
+
+
+def bench_module(script: str):
+    """``bench/<script>.py`` as a module (the benches are scripts, not a package), registered in sys.modules
+    as ``bench_<script>`` so that its dataclasses can look their module up."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / f"{script}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{script}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def batches(n: int, batch: int = 2, seq: int = 32, seed: int = 0):

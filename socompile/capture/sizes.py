@@ -99,7 +99,7 @@ _MATMUL_OPERANDS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1,
 def matmul_dims(node) -> tuple | None:
     """(rows, inner, columns) of one matrix product of a matmul node (of each batch entry for ``bmm``), from its
     operands' last two dimensions; None for other nodes or unreadable operands. A CPU's matmul FLOP rate
-    depends on the shape, not only on the FLOPs: a bf16 product without bf16 matrix instructions runs ~1.7x
+    depends on the shape, not only on the FLOPs: a bf16 product without bf16 matrix instructions runs ~1.6x
     faster at 1024 x 128 x 128 than at the square of the same FLOPs (KernelRate "matmul")."""
     if node.op != "call_function":
         return None

@@ -88,8 +88,7 @@ class OffloadRuntime:
         for b, flat in zip(self.plan.buckets, self.buckets):
             if b.index in cast and self.upload_staging is not None:
                 flat.use_upload_staging(self.upload_staging)
-            if self.before_host_read is not None and b.weight_mode == "flow" and b.optimizer_site == "cpu" \
-                    and hasattr(flat, "read_first_by_fetch"):
+            if self.before_host_read is not None and b.weight_mode == "flow" and b.optimizer_site == "cpu":
                 flat.read_first_by_fetch()
 
     def numel(self, bucket: int) -> int:
