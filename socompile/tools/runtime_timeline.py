@@ -113,22 +113,15 @@ def record_step(preset: str = "tiny", layers: int = 2, batch: int = 8, seq: int 
                                       "weight_mode": "flow", "prefetch_distance": 1, **(options or {})})
     cmodel = torch.compile(model, backend=backend)
     data = ByteBatches(stdlib_corpus(200_000), batch, seq, seed=0)
-    for i in range(warmup + 1):
+
+    def loss():
         x, y = next(data)
-        if i == warmup:
-            opt.events.clear()
-            opt.events.record("forward_start")
-        out = cmodel(x)
-        loss = F.cross_entropy(out.flatten(0, 1), y.flatten())
-        if i == warmup:
-            opt.events.record("forward_end")
-            opt.events.record("backward_start")
-        loss.backward()
-        if i == warmup:
-            opt.events.record("backward_end")
+        return F.cross_entropy(cmodel(x).flatten(0, 1), y.flatten())
+    for _ in range(warmup):
+        loss().backward()
         opt.step()
         opt.zero_grad()
-    return opt.events.events(), backend.compiled[0]
+    return record_one_step(opt, loss), backend.compiled[0]
 
 
 def record_one_step(opt, forward, sync=lambda: None) -> list[Event]:
