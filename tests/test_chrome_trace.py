@@ -59,6 +59,11 @@ def test_runtime_work_shows_as_named_ranges_in_torch_profiler_on_every_thread():
     expected = {ranges.GRAD_COPY, ranges.BUCKET_STEP, ranges.VALIDATE, ranges.UPLOAD, ranges.PREFETCH,
                 ranges.PREFETCH_COPY}
     assert expected <= seen, expected - seen
+    # the validation range covers validation's work (its commits' uploads, or the redone steps), not a moment
+    validate = [e for e in prof.events() if e.name == ranges.VALIDATE]
+    inside = [e for e in prof.events() for v in validate if e.name in (ranges.UPLOAD, ranges.BUCKET_STEP)
+              and e.thread == v.thread and v.time_range.start <= e.time_range.start <= v.time_range.end]
+    assert validate and inside, [(e.name, e.thread) for e in prof.events() if e.name in expected]
     # the same step's recorded events as a trace: every event once, spans on the thread that started them
     events = opt.events.events()
     trace = json.loads(json.dumps(chrome_trace(events)))

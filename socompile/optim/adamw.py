@@ -3,7 +3,8 @@
 Semantics are torch.optim.AdamW's (and its state_dict layout), plus ``max_grad_norm``: clipping known while
 steps are speculated, so that backward's bucket steps stand. A script's own ``clip_grad_norm_`` (or any other
 change to the gradients between ``backward()`` and ``step()``) is honoured too, at the price of stepping the
-changed buckets again in ``step()`` (optim/validation.py ``undo_for_script_gradients``, optim/script_clip.py).
+changed buckets again in ``step()`` (optim/validation.py ``StepValidation.undo_for_script_gradients``,
+optim/script_clip.py).
 
 Compiled with ``backend="superoffload"``, the backward graph hands each bucket's gradients to this optimizer
 as soon as they exist, and the CPU worker steps the bucket at once while backward goes on:
@@ -26,7 +27,6 @@ import contextlib
 import dataclasses
 import gc
 import logging
-import time
 from typing import Iterable
 
 import torch
@@ -34,13 +34,11 @@ from torch import nn
 
 from ..options import parse_bytes
 from ..plan.host_waits import FIRST_READ, SETTLED, step_returns_before
-from ..runtime.cpu_adam import grad_stats, step_bucket
 from ..runtime.device import Runtimes
 from ..runtime.events import EventLog
 from ..runtime.flat_bucket import FlatBucket, real_dtype
 from ..runtime.host_master import upload_order
 from ..runtime.memory import HostLedger
-from ..runtime.speculation import Speculator
 from ..runtime.traffic import HostBlockLedger, HostWorkLedger, TrafficLedger
 from ..runtime.worker import BucketJobs
 from . import state_dict as optimizer_state
@@ -50,8 +48,7 @@ from .hyper import check_group, check_moment_dtype, hyper_snapshot
 from .module_state import ModelStateHooks, _ModuleHook  # noqa: F401  (_ModuleHook: pickled models name it here)
 from .owner import previous_owners, release, set_owner
 from .state_dict import torch_param_group  # noqa: F401  (imported from here by socompile.distributed)
-from .validation import (commit, discard_iteration, step_now, undo_for_script_gradients, upload_final,
-                         validate_and_finish)
+from .validation import StepOutcome, StepValidation
 
 log = logging.getLogger("socompile")
 
@@ -98,22 +95,19 @@ class AdamW(torch.optim.Optimizer):
                                             or p.device.type != "cpu" or self.runtime_kind == "emulated"
                                             for g in self.param_groups for p in g["params"]) else "shared"
         self.host_master = host_master
-        self.max_grad_norm = max_grad_norm
-        # Reference semantics: with clipping, a non-finite norm skips the step (torch would propagate NaN);
-        # without clipping, behave as torch.optim.AdamW unless asked.
-        self.skip_nonfinite = (max_grad_norm is not None) if skip_nonfinite is None else skip_nonfinite
         self.rollback = rollback
         self.moment_dtype = check_moment_dtype(moment_dtype, rollback)
-        self.last_step_clipped = False
-        self.speculator = Speculator(max_grad_norm, predict=predict_clipping)
         self.bucket_size = parse_bytes(bucket_size, "bucket_size")
         self.grad_accumulation_steps = grad_accumulation_steps
         self.events = EventLog()
+        # Reference semantics: with clipping, a non-finite norm skips the step (torch would propagate NaN);
+        # without clipping, behave as torch.optim.AdamW unless asked.
+        self.validation = StepValidation(
+            max_grad_norm, (max_grad_norm is not None) if skip_nonfinite is None else skip_nonfinite,
+            predict_clipping, self.events, self.upload_bucket)
         self.traffic_ledger = TrafficLedger()   # bytes its copies move over the link, per step (``traffic()``)
         self.host_work_ledger = HostWorkLedger()   # bytes the host CPU reads and writes, per step (``host_work()``)
         self.host_block_ledger = HostBlockLedger()   # where host threads wait on the device or worker (``host_blocks()``)
-        self.last_grad_norm: float | None = None
-        self.last_step_skipped = False
         self._jobs = BucketJobs(self.host_block_ledger)   # the CPU worker's bucket jobs in flight (its steps, and the ends step() left)
         self._step_ends: dict[int, _StepEnd] = {}   # id(bucket): a step() that returned before its job ended
         self._claims = Claims()
@@ -128,7 +122,6 @@ class AdamW(torch.optim.Optimizer):
         # bucket's gradients, makes every rank step only its shard, agrees on validation, all-gathers weights.
         self.sharding = None
         self._warned_no_grads = False
-        self.warned_script_clip = False   # said once: a script's clip and max_grad_norm both present
         self._rebuild_pool()
         # Separate host master: the model's state_dict() / load_state_dict() go through the host master (flow
         # parameters hold no bytes between uses; a loaded stationary weight must reach the master too).
@@ -140,8 +133,8 @@ class AdamW(torch.optim.Optimizer):
     # buckets of their own) and loads the original's state_dict (moments, step counts, fp32 master of bf16
     # parameters). Hooks are dropped, as torch drops them; compiled graphs stay with the original.
     def __reduce__(self):
-        counters = {k: getattr(self, k) for k in ("last_grad_norm", "last_step_skipped", "last_step_clipped")}
-        return (_rebuilt, (self.param_groups, self._constructor_arguments(), self.state_dict(), counters))
+        return (_rebuilt, (self.param_groups, self._constructor_arguments(), self.state_dict(),
+                           self.validation.outcome))
 
     def _constructor_arguments(self) -> dict:
         """The keyword arguments that build an optimizer like this one (``cpu_worker`` and ``host_master`` as
@@ -151,6 +144,33 @@ class AdamW(torch.optim.Optimizer):
                     grad_accumulation_steps=self.grad_accumulation_steps, skip_nonfinite=self.skip_nonfinite,
                     rollback=self.rollback, predict_clipping=self.speculator.predict, cpu_worker=self.cpu_worker,
                     host_master=self.host_master, moment_dtype=self.moment_dtype)
+
+    # ------------------------------------------------------------ validation
+    # The validation's settings and last outcome, read where torch-style code looks for them.
+    @property
+    def max_grad_norm(self) -> float | None:
+        return self.validation.max_grad_norm
+
+    @property
+    def skip_nonfinite(self) -> bool:
+        return self.validation.skip_nonfinite
+
+    @property
+    def speculator(self):
+        return self.validation.speculator
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last validated step (nan when non-finite; None before one)."""
+        return self.validation.outcome.grad_norm
+
+    @property
+    def last_step_skipped(self) -> bool:
+        return self.validation.outcome.skipped
+
+    @property
+    def last_step_clipped(self) -> bool:
+        return self.validation.outcome.clipped
 
     # -------------------------------------------------------------- takeover
     def _check_not_taken_over(self) -> None:
@@ -193,11 +213,6 @@ class AdamW(torch.optim.Optimizer):
             for p in self.param_groups[gi]["params"]:
                 set_owner(p, self)
                 self.group_index[id(p)] = gi
-
-    def first_script_clip(self) -> bool:
-        """True the first time a script's own clip meets this optimizer's max_grad_norm (said once)."""
-        first, self.warned_script_clip = not self.warned_script_clip, True
-        return first
 
     def hand_over(self) -> None:
         """A newer socompile.AdamW was built over (some of) this optimizer's parameters and takes them over.
@@ -312,54 +327,14 @@ class AdamW(torch.optim.Optimizer):
         return self.traffic_ledger.booking(step, lambda: self.host_work_ledger.booking(
             step, lambda: self.host_block_ledger.booking(step, fn)))
 
-    def _validating(self) -> bool:
-        return self.max_grad_norm is not None or self.skip_nonfinite
-
     def _on_bucket_complete(self, bucket: FlatBucket, groups: list[dict] | None = None) -> None:
-        """Worker thread: speculate the bucket's step if still worthwhile; always learn its norm partial.
-        ``groups``: the param groups' hyperparameters when the job was queued (``hyper_snapshot``)."""
-        groups = self.param_groups if groups is None else groups
-        start = time.perf_counter()
+        """Worker thread: the bucket's gradients on the host (and reduced, under ZeRO), then its step or
+        speculation (``StepValidation.on_gradients``). ``groups``: the param groups' hyperparameters when the job
+        was queued (``hyper_snapshot``)."""
         bucket.wait_grads()   # CUDA: this bucket's gradient copy to the host (its event only)
         if self.sharding is not None:
             self.sharding.finish_reduce(bucket)   # this rank's shard of the averaged gradients
-        if not self._validating():
-            # Nothing to validate: the step taken now is final unless zero_grad() discards it (a step the user
-            # skipped), so the previous state is kept where the plan budgets for it: ping-pong steps into the
-            # spare and swaps it in at once (the spare keeps the old state); the inverse never steps over a
-            # non-finite gradient (it could not undo it), step() takes that one.
-            if bucket.rollback_mode != "pingpong" and grad_stats(bucket)[1]:
-                return
-            self.events.record("step_start", bucket.index)
-            if bucket.rollback_mode == "pingpong":
-                step_bucket(bucket, groups, into_spare=True)
-                bucket.swap_in_spare()
-            else:
-                step_bucket(bucket, groups)
-            bucket.stepped_final()
-            if self.sharding is None:   # ZeRO: only this rank's window is new; step() uploads after the gather
-                self.upload_bucket(bucket)   # separate host master: the new weights go while backward goes on
-            self.events.record("step_end", bucket.index)
-            return
-        spec = self.speculator
-        if not spec.may_speculate():
-            bucket.learn_partial(grad_stats(bucket))
-            spec.count_held()
-        elif bucket.rollback_mode == "pingpong":
-            self.events.record("step_start", bucket.index)
-            bucket.learn_partial(step_bucket(bucket, groups, into_spare=True))
-            bucket.speculated_into("spare")
-            self.events.record("step_end", bucket.index)
-        else:  # memory-tight: one copy of the state, undone by the algebraic inverse if needed
-            bucket.learn_partial(grad_stats(bucket))
-            if not bucket.partial[1]:  # the inverse cannot undo a step that saw NaN/Inf: never take one
-                self.events.record("step_start", bucket.index)
-                step_bucket(bucket, groups)
-                bucket.speculated_into("inplace")
-                self.events.record("step_end", bucket.index)
-        if bucket.speculated:
-            spec.count_speculated(time.perf_counter() - start)
-        spec.add_partial(*bucket.partial)
+        self.validation.on_gradients(bucket, self.param_groups if groups is None else groups, self.sharding)
 
     def held_gradient(self, p: torch.Tensor):
         """(bucket, host gradient) of ``p`` where this optimizer holds its gradient off ``.grad`` (a separate
@@ -425,7 +400,7 @@ class AdamW(torch.optim.Optimizer):
         script's own gradient change is redone in step(); an unread bucket has nobody else to wait for it."""
         if script_changed:
             return set()
-        validating, sharded = self._validating(), self.sharding is not None
+        validating, sharded = self.validation.active, self.sharding is not None
         return {id(b) for b in buckets if self._jobs.running(b) and not self._jobs.has_then(b)
                 and step_returns_before(validating=validating, sharded=sharded, mirror=b.mirror,
                                         graph_waits=b.graph_waits_upload or b.graph_fetches,
@@ -435,7 +410,7 @@ class AdamW(torch.optim.Optimizer):
         """The end of a ``step()`` that returned before ``bucket``'s CPU job ended (training thread, once the
         job has ended): its step counts and ``opt.state``, as ``step()`` does for the others."""
         end = self._step_ends.pop(id(bucket))
-        commit(self, [bucket], has_grad=[end.has_grad])
+        self.validation.commit([bucket], self.state_without_waiting(), has_grad=[end.has_grad])
         bucket.reset_iteration()
         if end.zeroed:
             bucket.clear_gradients()
@@ -461,8 +436,7 @@ class AdamW(torch.optim.Optimizer):
             if id(bucket) not in later:
                 self._jobs.wait(bucket, SETTLED)
         if script_changed:
-            self.speculator.stats.script_changed_steps += 1
-            undo_for_script_gradients(self, script_changed)
+            self.validation.undo_for_script_gradients(script_changed, self.param_groups, self.sharding)
         settled = [b for b in buckets if id(b) not in later]
         for bucket in settled:
             if not bucket.stepped and bucket.speculated is None:
@@ -476,23 +450,20 @@ class AdamW(torch.optim.Optimizer):
                         sum(len(b.params) for b in buckets))
         if self.sharding is not None:
             self.sharding.reduce_remaining(buckets)
-        if self._validating():
-            outcome = validate_and_finish(self, buckets, script_changed=bool(script_changed))
-            self.last_grad_norm = outcome.grad_norm
-            self.last_step_skipped, self.last_step_clipped = outcome.skipped, outcome.clipped
+        # state_without_waiting: the jobs step() returns before end their buckets' commits themselves
+        if self.validation.active:
+            self.validation.finish(buckets, self.param_groups, self.sharding, self.state_without_waiting(),
+                                   script_changed=bool(script_changed))
         else:
-            for bucket in upload_order(settled):
-                if not bucket.stepped:
-                    step_now(self, bucket, 1.0)
-                upload_final(self, bucket)
-            commit(self, settled)
+            self.validation.finish_unvalidated(settled, self.param_groups, self.sharding,
+                                               self.state_without_waiting())
             for bucket in buckets:   # the job steps, swaps in and uploads; the forward's first read waits for it
                 if id(bucket) in later:
                     self._step_ends[id(bucket)] = _StepEnd(has_grad=list(bucket.has_grad))
                     self._jobs.then(bucket, lambda b=bucket: self._end_step_of(b))
             self.speculator.count_unvalidated_step()
         if self.sharding is not None:
-            self.sharding.gather(buckets, changed=not (self._validating() and self.last_step_skipped))
+            self.sharding.gather(buckets, changed=not (self.validation.active and self.last_step_skipped))
         self.upload_buckets(settled)
         for bucket in settled:
             bucket.reset_iteration()
@@ -602,7 +573,7 @@ class AdamW(torch.optim.Optimizer):
                     if p.grad is not None:   # not the host gradients (a separate master's .grad is the script's)
                         p.grad = None if set_to_none else p.grad.zero_()
                 continue
-            discard_iteration(self, bucket)
+            self.validation.discard_iteration(bucket, self.param_groups)
             for p in bucket.params:
                 if p.grad is None:
                     continue
@@ -664,11 +635,11 @@ class AdamW(torch.optim.Optimizer):
             self._jobs.shutdown()
 
 
-def _rebuilt(param_groups: list[dict], arguments: dict, state_dict: dict, counters: dict) -> AdamW:
+def _rebuilt(param_groups: list[dict], arguments: dict, state_dict: dict, outcome: StepOutcome) -> AdamW:
     """A copy of a pickled or deep-copied AdamW (see ``AdamW.__reduce__``)."""
     opt = AdamW(param_groups, **arguments)
     opt.load_state_dict(state_dict)
-    opt.__dict__.update(counters)
+    opt.validation.remember(outcome)
     return opt
 
 

@@ -7,7 +7,8 @@ return a norm of 0. socompile therefore wraps those two functions (once, at impo
 gradients a socompile optimizer holds, the wrapper reads and changes the held gradients, with torch's own
 formulas (the same total norm, the same clamped coefficient, multiplied in the gradients' dtype), and tells the
 bucket its gradients were changed, so ``step()`` redoes from them what backward already stepped
-(optim/validation.py ``undo_for_script_gradients``). For every other parameter torch's function runs as is.
+(optim/validation.py ``StepValidation.undo_for_script_gradients``). For every other parameter torch's function runs
+as is.
 
 Scripts that call ``torch.nn.utils.clip_grad_norm_`` (nanoGPT, the HF Trainer through accelerate) look the name
 up at call time, so they get the wrapper; ``from torch.nn.utils import clip_grad_norm_`` before importing socompile

@@ -464,7 +464,8 @@ class FlatBucket(HostMasterCopies):
                         part.copy_(self.state_part(mine, i))
                         self.host_work.add_work(SPARE_COPY, copy_bytes(part.numel(), part.element_size(),
                                                                        part.element_size()))
-            previous = window.clone()   # kept in the spare: zero_grad() may swap back (validation.discard_iteration)
+            # kept in the spare: zero_grad() may swap back (StepValidation.discard_iteration)
+            previous = window.clone()
             window.copy_(spare_window)
             spare_window.copy_(previous)
             size = window.element_size()

@@ -84,6 +84,26 @@ class Speculator:
         self.stats.speculated += 1
         self.stats.seconds_speculating += seconds
 
+    def count_committed(self) -> None:
+        """A bucket's speculative step was kept."""
+        self.stats.committed += 1
+
+    def count_rolled_back(self) -> None:
+        """A bucket's speculative step was undone."""
+        self.stats.rolled_back += 1
+
+    def count_redone(self) -> None:
+        """A bucket's speculative step was undone and taken again with the clip coefficient."""
+        self.stats.redone += 1
+
+    def count_script_changed(self) -> None:
+        """The training script changed this step's gradients after backward: its buckets are stepped again."""
+        self.stats.script_changed_steps += 1
+
+    def count_validating(self, seconds: float) -> None:
+        """Validation took ``seconds`` of the training thread."""
+        self.stats.seconds_validating += seconds
+
     def count_unvalidated_step(self) -> None:
         """A step with nothing to validate (no max_grad_norm, no skip-on-overflow): counted like any other."""
         self.stats.steps += 1
