@@ -329,7 +329,8 @@ def _mirror_results(dtype: str, compile: bool = False) -> list[dict]:
     return [r.result for r in results]
 
 
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+# eager: -m slow; the default suite's separate-master dp 2 bf16 run is eager (its bitwise twin is compiled)
+@pytest.mark.parametrize("compile", [pytest.param(False, marks=pytest.mark.slow), True], ids=["eager", "compiled"])
 def test_dp2_separate_host_master_fp32_equals_the_shared_dp2_run_bitwise(compile):
     # host_master="separate" forced on fp32 CPU parameters: the same kernel on the same reduce-scattered
     # gradients, in the same order, so weights, fp32 master and global norms are bitwise those of shared mode.

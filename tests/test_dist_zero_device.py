@@ -407,12 +407,16 @@ def test_device_zero_dp3_fp32_compiled_commits_the_short_last_windows_and_equals
     _check_fp32(results)
 
 
+# -m slow: the default suite has eager fp32 at dp 3 (padded) and at dp 2 with accumulation
+@pytest.mark.slow
 def test_device_zero_dp2_fp32_eager_equals_torch():
     results = _results({"dtype": "float32"}, 2)
     _check_fp32(results)
     _check_memory_and_link(results, 4)
 
 
+# -m slow: the default suite has bf16 at dp 2 (compiled, the same checks) and eager at dp 3 (fp32)
+@pytest.mark.slow
 def test_device_zero_dp3_bf16_eager_equals_one_process():
     results = _results({"dtype": "bfloat16"}, 3)
     _check_bf16(results)
@@ -427,6 +431,9 @@ def test_device_zero_with_ulysses_sp2_equals_torch():
     _check_memory_and_link(results, 4)
 
 
+# -m slow (4 ranks, ~30 s): the default suite has device ZeRO over the sequence group (sp 2) and compiled at
+# dp 2 and 3; tests/test_dist_launch.py trains dp 2 x sp 2 compiled on two launched nodes
+@pytest.mark.slow
 def test_device_zero_dp2_x_sp2_compiled_equals_torch():
     results = _results({"dtype": "float32", "sp": 2, "compile": True}, 4)
     _check_fp32(results)

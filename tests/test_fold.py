@@ -43,7 +43,9 @@ def _both(factory, **kwargs):
     return (plan_model(factory, fold=True, **kwargs), plan_model(factory, fold=False, **kwargs))
 
 
-@pytest.mark.parametrize("preset,layers,symbolic", [("llama-1b", 7, False), ("small", 6, True)])
+# small, symbolic: -m slow (~25 s alone); the default suite folds a symbolic trace of a plain stack below
+@pytest.mark.parametrize("preset,layers,symbolic", [("llama-1b", 7, False),
+                                                    pytest.param("small", 6, True, marks=pytest.mark.slow)])
 def test_folded_graphs_and_plan_equal_full_trace(preset, layers, symbolic):
     cfg = dataclasses.replace(PRESETS[preset], n_layers=layers)
     folded, full = _both(lambda: build(cfg), batch=2, seq=128, options={"target": "gh200"},
@@ -127,8 +129,12 @@ def test_a_model_that_does_not_repeat_is_traced_whole(caplog):
     assert _plan_json(folded) == _plan_json(full)
 
 
-def test_a_plain_stack_folds_to_the_full_trace():
-    folded, full = _both(lambda: _Stack(), batch=2, seq=8, options={"target": "gh200"})
+@pytest.mark.parametrize("symbolic", [False, True])
+def test_a_plain_stack_folds_to_the_full_trace(symbolic):
+    folded, full = _both(lambda: _Stack(), batch=2, seq=8, options={"target": "gh200"}, symbolic=symbolic)
+    shapes = [n.meta["val"].shape for n in folded.forward_graph.graph.nodes
+              if isinstance(n.meta.get("val"), torch.Tensor)]
+    assert any(isinstance(d, torch.SymInt) for shape in shapes for d in shape) == symbolic
     assert any(n.name.endswith("_b5") for n in folded.backward_graph.graph.nodes)
     assert _signature(folded.ir, folded.ir.fw_order) == _signature(full.ir, full.ir.fw_order)
     assert _signature(folded.ir, folded.ir.bw_order) == _signature(full.ir, full.ir.bw_order)

@@ -75,6 +75,14 @@ def trained(monkeypatch, case):
     return opt, backend.compiled[0]
 
 
+# The plan's own prediction is of one micro-batch and, with clipping, of the clipped step (every speculated CPU
+# step taken again): the cases whose steps are those. "cpu fp32 separate" is planned as such because the planner
+# reads the optimizer's host_master (pipeline.planning_options; seen failing before: an 'upload copy' the plan
+# did not have, planned as a shared master).
+PLANNED_STEP = sorted(k for k, v in CASES.items() if v[4] == 1 and ("clip" not in k or v[5] != "on")
+                      and "predicted" not in k)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_host_cpu_work_of_a_step_is_the_plans(monkeypatch, case):
     runtime, dtype, options, arguments, micro, speculation = CASES[case]
@@ -92,6 +100,25 @@ def test_the_host_cpu_work_of_a_step_is_the_plans(monkeypatch, case):
     offloading = options.get("activations", "keep") != "keep"
     assert (ACTIVATION_COPY in predicted) == (offloading and runtime == "cpu")
     assert opt.host_work() == predicted
+    if case in PLANNED_STEP:   # the same step, trained once: what the plan report states of it
+        assert_the_plan_report_states_the_runtime_work(opt, ctx)
+
+
+def assert_the_plan_report_states_the_runtime_work(opt, ctx):
+    """The compiled plan carries host_work_bytes_per_step (the report prints it); the runtime books the same."""
+    planned = {p: (r, w) for p, r, w in ctx.plan.prediction("host_work_bytes_per_step")}
+    assert ADAM_KERNEL in planned
+    assert opt.host_work() == planned
+    # and its host memory is what the runtime holds: the layout it planned (shared or separate master) and, without
+    # speculation, no ping-pong spares (seen failing before: the plan counted 5.5 MB of spares the runtime never
+    # made, its steps taken in step() after validation)
+    held = {k: v["pinned"] + v["pageable"] for k, v in opt.host_memory()["by_purpose"].items()}
+    planned_parts = dict(ctx.plan.prediction("host_parts"))
+    # the plan's parts are its peak's (the end of a forward); after the step, the backward has taken the offloaded
+    # activations back (their host copies at the peak: tests/test_host_memory.py)
+    assert held.get(ACTIVATIONS, 0) == 0
+    planned_parts.pop(ACTIVATIONS, None)
+    assert planned_parts == held
 
 
 @pytest.mark.parametrize("bf16, cast_site, weight_mode", [(False, "cpu", "stationary"), (True, "cpu", "stationary"),
@@ -115,30 +142,3 @@ def test_the_simulators_cpu_adam_streams_the_bytes_the_runtime_books(bf16, cast_
     predicted = per_step_host_work(d.plan, ir, shared_master=False, weight_bytes=2 if bf16 else 4, validating=True,
                                    speculation=speculation)
     assert streamed == sum(predicted[ADAM_KERNEL])   # exact: the same integer formula on both sides
-
-
-# The plan's own prediction is of one micro-batch and, with clipping, of the clipped step (every speculated CPU
-# step taken again): the cases whose steps are those. "cpu fp32 separate" is planned as such because the planner
-# reads the optimizer's host_master (pipeline.planning_options; seen failing before: an 'upload copy' the plan
-# did not have, planned as a shared master).
-PLANNED_STEP = sorted(k for k, v in CASES.items() if v[4] == 1 and ("clip" not in k or v[5] != "on")
-                      and "predicted" not in k)
-
-
-@pytest.mark.parametrize("case", PLANNED_STEP)
-def test_the_plan_report_states_the_host_cpu_work_the_runtime_does(monkeypatch, case):
-    """The compiled plan carries host_work_bytes_per_step (the report prints it); the runtime books the same."""
-    opt, ctx = trained(monkeypatch, case)
-    planned = {p: (r, w) for p, r, w in ctx.plan.prediction("host_work_bytes_per_step")}
-    assert ADAM_KERNEL in planned
-    assert opt.host_work() == planned
-    # and its host memory is what the runtime holds: the layout it planned (shared or separate master) and, without
-    # speculation, no ping-pong spares (seen failing before: the plan counted 5.5 MB of spares the runtime never
-    # made, its steps taken in step() after validation)
-    held = {k: v["pinned"] + v["pageable"] for k, v in opt.host_memory()["by_purpose"].items()}
-    planned_parts = dict(ctx.plan.prediction("host_parts"))
-    # the plan's parts are its peak's (the end of a forward); after the step, the backward has taken the offloaded
-    # activations back (their host copies at the peak: tests/test_host_memory.py)
-    assert held.get(ACTIVATIONS, 0) == 0
-    planned_parts.pop(ACTIVATIONS, None)
-    assert planned_parts == held

@@ -23,6 +23,7 @@ import torch
 import socompile
 from socompile.models import build
 from socompile.optim import adamw as adamw_module
+from socompile.optim import validation as validation_module
 from socompile.runtime.emulated_cuda import emulated_device
 from training_helpers import batches, lm_loss
 
@@ -33,7 +34,7 @@ JOB_DELAY_S = 0.1   # far longer than step()'s own work after backward here (a f
 def slow_jobs(monkeypatch, fail_at_step: int | None = None):
     """Every bucket step run on the CPU worker sleeps JOB_DELAY_S first; with ``fail_at_step`` the worker's
     steps of that training step raise instead (a kernel error)."""
-    real = adamw_module.step_bucket
+    real = validation_module.step_bucket
     calls = {"step": 0}
 
     def delayed(bucket, groups, *args, **kwargs):
@@ -42,7 +43,7 @@ def slow_jobs(monkeypatch, fail_at_step: int | None = None):
             if fail_at_step is not None and calls["step"] == fail_at_step:
                 raise ValueError("kernel refused the bucket (injected)")
         return real(bucket, groups, *args, **kwargs)
-    monkeypatch.setattr(adamw_module, "step_bucket", delayed)
+    monkeypatch.setattr(validation_module, "step_bucket", delayed)
     return calls
 
 
