@@ -7,7 +7,8 @@
   socompile modules, lives there;
 - each object owns its state: no module reads or writes ``x._name`` (``x`` not ``self`` or ``cls``) where
   ``_name`` is an attribute or method that only classes of other socompile modules define (an owner offers a
-  public method or attribute instead).
+  public method or attribute instead);
+- no function or method in socompile/ longer than ``MAX_FUNCTION_LINES``.
 
 How imports are counted: relative imports are resolved; ``from pkg import name`` counts as an import of the
 submodule ``pkg.name`` when that file exists, else of ``pkg``; importing ``a.b.c`` also runs the ``__init__`` of
@@ -319,3 +320,30 @@ def test_the_bucket_write_checker_finds_a_write_from_outside():
     user = "def f(bucket, p):\n    bucket.stepped = True\n    p.grad = None\n"
     found = foreign_bucket_writes({"runtime/flat_bucket.py": bucket, "optim/user.py": user})
     assert found == ["optim/user.py:2 bucket.stepped"]
+
+
+MAX_FUNCTION_LINES = 80   # a longer function does several jobs: it reads better as named steps
+
+
+def long_functions(files: dict[str, str]) -> list[str]:
+    """``module:line name (n lines)`` for each function or method longer than MAX_FUNCTION_LINES, decorators
+    excluded, its docstring and comments included."""
+    found = []
+    for module, text in files.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    found.append(f"{module}:{node.lineno} {node.name} ({lines} lines)")
+    return found
+
+
+def test_no_function_in_socompile_is_longer_than_the_limit():
+    assert long_functions(_sources()) == []
+
+
+def test_the_length_checker_finds_a_long_function():
+    limit = MAX_FUNCTION_LINES
+    short = "def short():\n" + "    x = 0\n" * (limit - 1)                   # the limit, in lines: allowed
+    long = "class C:\n    def long(self):\n" + "        x = 0\n" * limit    # one line more
+    assert long_functions({"a.py": short + "\n\n" + long}) == [f"a.py:{limit + 4} long ({limit + 1} lines)"]

@@ -158,41 +158,10 @@ def analyze(ir: IR, cost: CostModel, token_shard: int = 1) -> GraphCosts:
     shard = max(1, int(token_shard))
     nodes = g.nodes
     param_nodes = _param_aliases(ir)
-
-    def times(order):
-        out = []
-        for key in order:
-            data = nodes[key]
-            call = data["kind"] == "call_function"
-            cls = op_class(data["op"], data.get("is_view", False)) if call else "free"
-            if cls == "free":   # a view or reshape still dispatches (on a CPU "device"); placeholders do not
-                dispatched = call and (data.get("is_view") or data["op"] in RESHAPE_OPS)
-                out.append(float(cost.view_time()) if dispatched else 0.0)
-                continue
-            moved = cost.value(data["bytes"]) + sum(cost.value(nodes[p]["bytes"]) for p in g.predecessors(key))
-            flops = cost.value(data["flops"])
-            # an elementwise node's time may be set by its elements (CostModel.node_time): its largest operand's
-            elements = max(_elements(cost, nodes[k]) for k in (key, *g.predecessors(key))) if cls == "memory" else 0
-            out.append(float(cost.node_time(cls, flops / shard, moved / shard, data.get("dtype", ""), data["op"],
-                                            data.get("attention_dims"), elements / shard,
-                                            data.get("matmul_dims"))))
-        return out
-
-    fw_times, bw_times = times(ir.fw_order), times(ir.bw_order)
+    fw_times, bw_times = _node_times(ir, cost, ir.fw_order, shard), _node_times(ir, cost, ir.bw_order, shard)
     fw_flops = sum(cost.value(nodes[k]["flops"]) for k in ir.fw_order) / shard
     bw_flops = sum(cost.value(nodes[k]["flops"]) for k in ir.bw_order) / shard
     flops_expr = _scaled(_sum(nodes[k]["flops"] for k in (*ir.fw_order, *ir.bw_order)), shard)
-
-    def uses(readers: dict[str, list[str]]) -> dict[str, tuple[int, int]]:
-        out = {}
-        for p, keys in readers.items():
-            # The output node "reads" saved views of weights only to hand them to the backward, where their
-            # readers are counted: it is not a use.
-            # Views of weights (aten.t saved for the backward) move no data and are re-materialised where used.
-            orders = [nodes[k]["order"] for k in keys if nodes[k]["kind"] != "output" and not nodes[k]["is_view"]]
-            if orders:
-                out[p] = (min(orders), max(orders))
-        return out
 
     roots = _view_roots(ir)
     partials = _partial_gradients(ir, roots)
@@ -209,32 +178,73 @@ def analyze(ir: IR, cost: CostModel, token_shard: int = 1) -> GraphCosts:
     if shard > 1:
         peak, peak_expr = peak / shard, _scaled(peak_expr, shard)
         saved_expr, ckpt_expr, layer_max_expr = (_scaled(e, shard) for e in (saved_expr, ckpt_expr, layer_max_expr))
-        layers = [dataclasses.replace(lc, saved=lc.saved / shard, saved_expr=_scaled(lc.saved_expr, shard),
-                                      boundary=lc.boundary / shard, boundary_expr=_scaled(lc.boundary_expr, shard),
-                                      attention_saved=lc.attention_saved / shard,
-                                      attention_saved_expr=_scaled(lc.attention_saved_expr, shard),
-                                      saved_by_dtype=tuple((d, b / shard) for d, b in lc.saved_by_dtype),
-                                      selective_by_dtype=tuple((d, b / shard) for d, b in lc.selective_by_dtype))
-                  for lc in layers]
+        layers = [_sharded_layer(lc, shard) for lc in layers]
     attention = {ph: tuple(i for i, k in enumerate(order) if nodes[k]["kind"] == "call_function"
                            and op_class(nodes[k]["op"], nodes[k].get("is_view", False)) == "attention")
                  for ph, order in (("fw", ir.fw_order), ("bw", ir.bw_order))}
-    attention_bytes = []
-    for pos in attention["fw"]:
-        key = ir.fw_order[pos]
-        inputs = [p for p in g.predecessors(key) if p not in param_nodes][:3]
-        qkv = sum(cost.value(nodes[p]["bytes"]) for p in inputs)
-        out = cost.value(nodes[inputs[0]]["bytes"]) if inputs else 0.0
-        attention_bytes.append((qkv + out) / shard)
+    attention_bytes = [_attention_bytes(ir, cost, ir.fw_order[pos], param_nodes) / shard for pos in attention["fw"]]
     return GraphCosts(
         fw_times=fw_times, bw_times=bw_times, fw_flops=fw_flops, bw_flops=bw_flops, flops_expr=flops_expr,
-        fw_uses=uses(ir.fw_readers), bw_uses=uses(ir.bw_readers), activation_peak=peak,
+        fw_uses=_uses(ir, ir.fw_readers), bw_uses=_uses(ir, ir.bw_readers), activation_peak=peak,
         activation_peak_expr=peak_expr, activation_peak_at=peak_at, saved_bytes=cost.value(saved_expr),
         saved_expr=saved_expr, checkpoint_bytes=cost.value(ckpt_expr), checkpoint_expr=ckpt_expr,
         max_layer_saved=cost.value(layer_max_expr), max_layer_saved_expr=layer_max_expr, layer_fw_time=layer_fw,
         layers=tuple(layers), fw_attention=attention["fw"], bw_attention=attention["bw"], token_shard=shard,
         attention_bytes=tuple(attention_bytes), param_numels={n: int(p.numel) for n, p in ir.params.items()},
         partial_gradients=partial_spans)
+
+
+def _node_times(ir: IR, cost: CostModel, order: list[str], shard: int) -> list[float]:
+    """Seconds of each node of ``order`` on one rank (1/shard of every token-proportional node)."""
+    g, nodes, out = ir.graph, ir.graph.nodes, []
+    for key in order:
+        data = nodes[key]
+        call = data["kind"] == "call_function"
+        cls = op_class(data["op"], data.get("is_view", False)) if call else "free"
+        if cls == "free":   # a view or reshape still dispatches (on a CPU "device"); placeholders do not
+            dispatched = call and (data.get("is_view") or data["op"] in RESHAPE_OPS)
+            out.append(float(cost.view_time()) if dispatched else 0.0)
+            continue
+        moved = cost.value(data["bytes"]) + sum(cost.value(nodes[p]["bytes"]) for p in g.predecessors(key))
+        flops = cost.value(data["flops"])
+        # an elementwise node's time may be set by its elements (CostModel.node_time): its largest operand's
+        elements = max(_elements(cost, nodes[k]) for k in (key, *g.predecessors(key))) if cls == "memory" else 0
+        out.append(float(cost.node_time(cls, flops / shard, moved / shard, data.get("dtype", ""), data["op"],
+                                        data.get("attention_dims"), elements / shard,
+                                        data.get("matmul_dims"))))
+    return out
+
+
+def _uses(ir: IR, readers: dict[str, list[str]]) -> dict[str, tuple[int, int]]:
+    """(first, last) order at which each weight is read."""
+    nodes, out = ir.graph.nodes, {}
+    for p, keys in readers.items():
+        # The output node "reads" saved views of weights only to hand them to the backward, where their
+        # readers are counted: it is not a use.
+        # Views of weights (aten.t saved for the backward) move no data and are re-materialised where used.
+        orders = [nodes[k]["order"] for k in keys if nodes[k]["kind"] != "output" and not nodes[k]["is_view"]]
+        if orders:
+            out[p] = (min(orders), max(orders))
+    return out
+
+
+def _sharded_layer(lc: LayerCosts, shard: int) -> LayerCosts:
+    """A layer's activation bytes on one of ``shard`` sequence-parallel ranks."""
+    return dataclasses.replace(lc, saved=lc.saved / shard, saved_expr=_scaled(lc.saved_expr, shard),
+                               boundary=lc.boundary / shard, boundary_expr=_scaled(lc.boundary_expr, shard),
+                               attention_saved=lc.attention_saved / shard,
+                               attention_saved_expr=_scaled(lc.attention_saved_expr, shard),
+                               saved_by_dtype=tuple((d, b / shard) for d, b in lc.saved_by_dtype),
+                               selective_by_dtype=tuple((d, b / shard) for d, b in lc.selective_by_dtype))
+
+
+def _attention_bytes(ir: IR, cost: CostModel, key: str, param_nodes: set[str]) -> float:
+    """Bytes an attention node reads and writes: q, k, v and an output the size of q."""
+    nodes = ir.graph.nodes
+    inputs = [p for p in ir.graph.predecessors(key) if p not in param_nodes][:3]
+    qkv = sum(cost.value(nodes[p]["bytes"]) for p in inputs)
+    out = cost.value(nodes[inputs[0]]["bytes"]) if inputs else 0.0
+    return qkv + out
 
 
 def _param_aliases(ir: IR) -> set[str]:
@@ -344,12 +354,10 @@ def _saved_outputs(ir: IR, weights: set[str], root: dict[str, str]) -> list[tupl
     return [(out, r) for out, r in saved if g.nodes[r]["kind"] != "placeholder" and r not in weights]
 
 
-def _checkpoint_estimate(ir: IR, cost: CostModel, saved_roots: list[str], fw_times: list[float],
-                         weights: set[str], first_bw_use: dict | None = None, last_use: dict | None = None,
-                         bw_times: list[float] | None = None, saved_outputs: list[tuple[str, str]] = ()):
-    """Per-layer activation checkpointing, estimated: each repeated layer keeps only its input (the first
-    non-weight input of its first weight-reading node); one layer's saved tensors are live while it is
-    recomputed. Returns (kept bytes expr, saved bytes expr per layer, forward seconds of repeated layers)."""
+def _layer_boundaries(ir: IR, fw_times: list[float], weights: set[str]):
+    """The repeated layers of the forward (weight groups named ``<...>.<n>``), in forward order: (the layer of
+    each forward position, each layer's input bytes expr, the node holding that input, each layer's forward
+    seconds)."""
     g = ir.graph
     group_of_pos: list[str | None] = []
     current = None
@@ -370,6 +378,17 @@ def _checkpoint_estimate(ir: IR, cost: CostModel, saved_roots: list[str], fw_tim
         group_of_pos.append(current)
         if current is not None and current in boundary:
             layer_time[current] = layer_time.get(current, 0.0) + fw_times[i]
+    return group_of_pos, boundary, boundary_key, layer_time
+
+
+def _checkpoint_estimate(ir: IR, cost: CostModel, saved_roots: list[str], fw_times: list[float],
+                         weights: set[str], first_bw_use: dict | None = None, last_use: dict | None = None,
+                         bw_times: list[float] | None = None, saved_outputs: list[tuple[str, str]] = ()):
+    """Per-layer activation checkpointing, estimated: each repeated layer keeps only its input (the first
+    non-weight input of its first weight-reading node); one layer's saved tensors are live while it is
+    recomputed. Returns (kept bytes expr, saved bytes expr per layer, forward seconds of repeated layers)."""
+    g = ir.graph
+    group_of_pos, boundary, boundary_key, layer_time = _layer_boundaries(ir, fw_times, weights)
     per_layer: dict[str, list] = {}
     position = {k: i for i, k in enumerate(ir.fw_order)}
     by_module = any(g.nodes[k].get("modules") for k in ir.fw_order)

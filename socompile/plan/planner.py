@@ -131,29 +131,56 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
     elif options.clipping:
         decisions.append("objective: the clipped step (options.clipping, the optimizer's max_grad_norm): every CPU "
                          "step speculated during backward is redone after validation")
-    best = _choose_cast_and_gpu_buckets(ctx, base, recompute, decisions)
-    buckets, memory, sim = best
-    pinned = _apply_pins(ctx, buckets, decisions)
-    if pinned != buckets:
-        buckets, memory = pinned, _device(ctx, pinned)
-        sim = simulate(_plan_of(ctx, buckets, recompute, ()), costs, cost, speculation=_speculation(options))
-        if memory.device_peak > budget:
-            raise PlanError(f"the pinned weight placement (weight_mode={options.weight_mode!r}, prefetch_distance="
-                            f"{options.prefetch_distance}) needs {human_bytes(memory.device_peak)} of device memory, "
-                            f"over the budget of {human_bytes(budget)}; stream more buckets (weight_mode='flow') or "
-                            f"leave weight_mode='planned'")
+    buckets, memory, sim = _placed_buckets(ctx, base, recompute, decisions)
     buckets, host_total, host_pinned, host_parts = rollback_modes(ctx, buckets, decisions)
-    names = ctx.ir.symbol_names
     zero = simulate(_plan_of(ctx, buckets, recompute, ()), costs, cost, "zero-offload")
+    predicted = _plan_predictions(ctx, buckets, memory, sim, zero, (host_total, host_pinned, host_parts))
+    times = sim.bucket_times()
+    buckets = [dataclasses.replace(b, ready_s=round(times.get(b.index, (sim.backward_end,) * 2)[0], 6),
+                                   stepped_s=round(times.get(b.index, (0.0, sim.step_time))[1], 6))
+               for b in buckets]
+    outputs = outside_loss_note(ir, cost)   # advice, after the decisions it does not change
+    if outputs:
+        decisions.append(outputs)
+    final = _plan_of(ctx, buckets, recompute, predicted, tuple(decisions), unoptimized)
+    final = dataclasses.replace(final, predicted=final.predicted + _runtime_predictions(final, ctx))
+    from .verify import verify
+    verify(final, ir, hw)   # a failure here is a planner bug: never hand an unsafe plan to the passes
+    return PlanDetails(final, cost, costs, sim, zero)
+
+
+def _placed_buckets(ctx: _Context, base, recompute, decisions: list[str]):
+    """(buckets, device memory, simulated step) of the cast site and GPU-bucket count chosen, with the user's
+    pinned weight modes applied (a pinned placement that does not fit is an error naming the numbers)."""
+    options, budget = ctx.options, ctx.budget
+    buckets, memory, sim = _choose_cast_and_gpu_buckets(ctx, base, recompute, decisions)
+    pinned = _apply_pins(ctx, buckets, decisions)
+    if pinned == buckets:
+        return buckets, memory, sim
+    memory = _device(ctx, pinned)
+    sim = simulate(_plan_of(ctx, pinned, recompute, ()), ctx.costs, ctx.cost, speculation=_speculation(options))
+    if memory.device_peak > budget:
+        raise PlanError(f"the pinned weight placement (weight_mode={options.weight_mode!r}, prefetch_distance="
+                        f"{options.prefetch_distance}) needs {human_bytes(memory.device_peak)} of device memory, "
+                        f"over the budget of {human_bytes(budget)}; stream more buckets (weight_mode='flow') or "
+                        f"leave weight_mode='planned'")
+    return pinned, memory, sim
+
+
+def _plan_predictions(ctx: _Context, buckets, memory, sim, zero, host) -> tuple:
+    """The plan's predictions of memory, activations, host memory and the simulated step (``host``: the total,
+    pinned bytes and parts of rollback_modes)."""
+    host_total, host_pinned, host_parts = host
+    costs, cost, names = ctx.costs, ctx.cost, ctx.ir.symbol_names
     counts = {c: sum(1 for _, x in ctx.choices if x == c)
               for c in ("recompute", "selective", "selective_offload", "offload")}
-    predicted = (
+    return (
         ("shapes", tuple(sorted((names.get(k, k), v) for k, v in cost.symbol_values.items()))),
-        ("param_dtype_bytes", weight_bytes),
+        ("param_dtype_bytes", ctx.weight_bytes),
         *_weight_dtype_prediction(ctx),
         *_moment_prediction(ctx),
         *_parallel_predictions(ctx),
-        ("device_budget_bytes", int(budget)),
+        ("device_budget_bytes", int(ctx.budget)),
         ("device_peak_bytes", int(memory.device_peak)),
         ("device_peak_formula", _formula(memory.device_expr, names)),
         ("device_parts", tuple((k, int(v)) for k, v in memory.device_parts)),
@@ -175,20 +202,17 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
         ("zero_offload_step_time_s", round(zero.step_time, 6)),
         ("speedup_vs_zero_offload", round(zero.step_time / sim.step_time, 3) if sim.step_time else 0.0),
     )
-    times = sim.bucket_times()
-    buckets = [dataclasses.replace(b, ready_s=round(times.get(b.index, (sim.backward_end,) * 2)[0], 6),
-                                   stepped_s=round(times.get(b.index, (0.0, sim.step_time))[1], 6))
-               for b in buckets]
-    outputs = outside_loss_note(ir, cost)   # advice, after the decisions it does not change
-    if outputs:
-        decisions.append(outputs)
-    final = _plan_of(ctx, buckets, recompute, predicted, tuple(decisions), unoptimized)
+
+
+def _runtime_predictions(final, ctx: _Context) -> tuple:
+    """What the runtime does with the final plan, predicted for its ledgers to equal."""
+    ir, options, weight_bytes, world = ctx.ir, ctx.options, ctx.weight_bytes, ctx.world
     # What the runtime itself will hold on the device (weights, device optimizer state, flow buffers), walked
     # over the exact flow schedule: tests compare it with the runtime's measured peak byte for byte.
     runtime = runtime_device_bytes(final, ir)
     # What crosses the link per step (one micro-batch), by direction, dtype and purpose: the per-bucket transfer
     # list (plan/transfers.py) the simulator billed; opt.traffic() counts the same at run time.
-    traffic = per_step_traffic(final, ir, layers=costs.layers)
+    traffic = per_step_traffic(final, ir, layers=ctx.costs.layers)
     # What the host CPU reads and writes per step (one micro-batch), by purpose: the terms opt.host_work()
     # books (plan/host_work.py); with clipping, the clipped step's (every speculated CPU step taken again). Under
     # ZeRO, rank 0's: the first ranks hold the fullest windows.
@@ -202,16 +226,13 @@ def _plan_with_details(ir: IR, hw: HardwareProfile, options: Options, shapes, ac
     # opt.host_blocks() books as "CPU worker job" waits.
     job_waits = per_step_job_waits(final, ir, validating=bool(options.clipping), sharded=world > 1,
                                    shared_master=layout.shared_master, host_is_device=host_is_device)
-    final = dataclasses.replace(final, predicted=final.predicted + (
+    return (
         ("link_bytes_per_step", tuple((" ".join(key), int(v)) for key, v in sorted(traffic.items()))),
         ("host_work_bytes_per_step", tuple((purpose, int(r), int(w)) for purpose, (r, w) in sorted(work.items()))),
         ("cpu_job_waits_per_step", tuple(sorted(job_waits.items()))),
         ("runtime_device_peak_bytes", int(runtime["peak"])),
         ("runtime_device_phase_peak_bytes", tuple((k, int(runtime["fixed"] + v))
-                                                  for k, v in sorted(runtime["flow_phase_peak"].items())))))
-    from .verify import verify
-    verify(final, ir, hw)   # a failure here is a planner bug: never hand an unsafe plan to the passes
-    return PlanDetails(final, cost, costs, sim, zero)
+                                                  for k, v in sorted(runtime["flow_phase_peak"].items()))))
 
 
 def _per_rank_profile(hw: HardwareProfile, world: int) -> HardwareProfile:

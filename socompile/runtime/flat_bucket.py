@@ -70,6 +70,34 @@ def _round_up(n: int, k: int) -> int:
     return (n + k - 1) // k * k
 
 
+def _check_params(index: int, params: list[nn.Parameter], mirror: bool) -> None:
+    """The parameters one bucket can hold: one real dtype on one device; aliased by a shared master only when
+    they are fp32 (or fp64) CPU tensors."""
+    if not mirror:
+        for p in params:
+            if real_dtype(p.dtype) not in (torch.float32, torch.float64) or p.device.type != "cpu":
+                raise TypeError(f"host_master='shared' makes the parameters alias the fp32 host master, so it "
+                                f"needs fp32 CPU parameters (or fp64 ones, with an fp64 master); got a "
+                                f"{p.dtype} parameter on {p.device}. Use host_master='auto' (a separate host "
+                                f"master for GPU or bf16/fp16 parameters).")
+    if params and len({(real_dtype(p.dtype), p.device) for p in params}) > 1:
+        kinds = sorted({f"{p.dtype} on {p.device}" for p in params})
+        raise TypeError(f"the parameters of one optimizer bucket must share dtype and device (one flat device "
+                        f"buffer holds them); bucket {index} has {', '.join(kinds)}. Cast the model to one dtype "
+                        f"(model.to(torch.bfloat16)) or put the odd parameters in their own param group.")
+
+
+def _segments(params: list[nn.Parameter]) -> tuple[list[int], list[int], int]:
+    """(offsets, sizes, total elements) of the parameters' segments in one flat bucket: real elements (a
+    complex element is two), each segment starting at a multiple of ``ALIGN``."""
+    offsets, sizes, total = [], [], 0
+    for p in params:
+        offsets.append(total)
+        n = p.numel() * (2 if p.is_complex() else 1)
+        sizes.append(n)
+        total += _round_up(n, ALIGN)
+    return offsets, sizes, total
+
 
 class FlatBucket(HostMasterCopies):
     def __init__(self, index: int, params: list[nn.Parameter], shard: tuple[int, int] | None = None, *,
@@ -80,18 +108,7 @@ class FlatBucket(HostMasterCopies):
         if host_master not in ("shared", "separate"):
             raise ValueError(f"host_master must be 'shared' or 'separate', got {host_master!r}")
         self.mirror = host_master == "separate"
-        if not self.mirror:
-            for p in params:
-                if real_dtype(p.dtype) not in (torch.float32, torch.float64) or p.device.type != "cpu":
-                    raise TypeError(f"host_master='shared' makes the parameters alias the fp32 host master, so it "
-                                    f"needs fp32 CPU parameters (or fp64 ones, with an fp64 master); got a "
-                                    f"{p.dtype} parameter on {p.device}. Use host_master='auto' (a separate host "
-                                    f"master for GPU or bf16/fp16 parameters).")
-        if params and len({(real_dtype(p.dtype), p.device) for p in params}) > 1:
-            kinds = sorted({f"{p.dtype} on {p.device}" for p in params})
-            raise TypeError(f"the parameters of one optimizer bucket must share dtype and device (one flat device "
-                            f"buffer holds them); bucket {index} has {', '.join(kinds)}. Cast the model to one dtype "
-                            f"(model.to(torch.bfloat16)) or put the odd parameters in their own param group.")
+        _check_params(index, params, self.mirror)
         if shard is not None and shard[1] > 1 and self.mirror and site == "device" and params \
                 and params[0].device.type != "cpu":
             self._no_zero()
@@ -111,13 +128,7 @@ class FlatBucket(HostMasterCopies):
         self.dtype = real_dtype(params[0].dtype) if params else torch.float32   # of the flat weights
         self.state_dtype = state_dtype(self.dtype)   # of master, grad, moments and spare
         self.device = params[0].device if params else torch.device("cpu")
-        self.offsets, self.sizes = [], []
-        total = 0
-        for p in params:
-            self.offsets.append(total)
-            n = p.numel() * (2 if p.is_complex() else 1)   # a complex element is two real ones
-            self.sizes.append(n)
-            total += _round_up(n, ALIGN)
+        self.offsets, self.sizes, total = _segments(params)
         self.numel = total
         sharded_now = shard is not None and shard[1] > 1
         # How this bucket stores itself: every buffer below is made from bucket_buffers(storage, ...), the
