@@ -222,8 +222,8 @@ def test_an_optimizer_owns_one_runtime_per_device_shared_by_its_buckets():
         return [nn.Parameter(torch.randn(64, dtype=torch.bfloat16)) for _ in range(3)]
     first = socompile.AdamW(params(), bucket_size=256, host_master="separate")
     second = socompile.AdamW(params(), bucket_size=256, host_master="separate")
-    runtimes = {id(b.runtime) for b in first._pool}
-    assert len(first._pool) > 1 and len(runtimes) == 1 and None not in {b.runtime for b in first._pool}
-    assert first._pool[0].runtime is first.runtimes.get("cpu", first.runtime_kind)
-    assert second._pool[0].runtime is not first._pool[0].runtime
-    assert isinstance(first._pool[0].runtime, dev.CPURuntime)
+    runtimes = {id(b.runtime) for b in first.store.pool()}
+    assert len(first.store.pool()) > 1 and len(runtimes) == 1 and None not in {b.runtime for b in first.store.pool()}
+    assert first.store.pool()[0].runtime is first.runtimes.get("cpu", first.runtime_kind)
+    assert second.store.pool()[0].runtime is not first.store.pool()[0].runtime
+    assert isinstance(first.store.pool()[0].runtime, dev.CPURuntime)

@@ -36,17 +36,18 @@ from ..options import parse_bytes
 from ..plan.host_waits import FIRST_READ, SETTLED, step_returns_before
 from ..runtime.device import Runtimes
 from ..runtime.events import EventLog
-from ..runtime.flat_bucket import FlatBucket, real_dtype
+from ..runtime.flat_bucket import FlatBucket
 from ..runtime.host_master import upload_order
 from ..runtime.memory import HostLedger
 from ..runtime.traffic import HostBlockLedger, HostWorkLedger, TrafficLedger
 from ..runtime.worker import BucketJobs
 from . import state_dict as optimizer_state
-from .bucket_layout import make_buckets, pool_buckets
-from .graph_claim import ClaimLayout, Claims, GraphClaim, GraphOrigin
+from .bucket_layout import BucketSettings, BucketStore
+from .graph_claim import ClaimLayout, GraphClaim, GraphOrigin
 from .hyper import check_group, check_moment_dtype, hyper_snapshot
 from .module_state import ModelStateHooks, _ModuleHook  # noqa: F401  (_ModuleHook: pickled models name it here)
 from .owner import previous_owners, release, set_owner
+from .settings import check_rollback, resolve_cpu_worker, resolve_host_master
 from .state_dict import torch_param_group  # noqa: F401  (imported from here by socompile.distributed)
 from .validation import StepOutcome, StepValidation
 
@@ -66,37 +67,14 @@ class AdamW(torch.optim.Optimizer):
         if grad_accumulation_steps < 1:
             raise ValueError(f"grad_accumulation_steps must be >= 1, got {grad_accumulation_steps}")
         super().__init__(params, defaults)
-        if cpu_worker not in ("auto", "thread", "inline"):
-            raise ValueError(f"cpu_worker must be 'thread' (bucket steps overlap backward on a worker thread), "
-                             f"'inline' (run inside the backward, on its thread) or 'auto' (thread when CUDA is "
-                             f"available, else inline), got {cpu_worker!r}")
-        # NOTE: "inline" exists for CPU-only runs, where the "device" compute and the optimizer share the same
-        # cores: a worker thread then only oversubscribes them (torch's OpenMP teams stall at their barriers
-        # while a core runs the step), so the step is better taken in between backward nodes. With a GPU,
-        # backward runs on the GPU and the worker thread overlaps it for real. Measured on 2 cores (tiny preset,
-        # validation on): thread 110-122 ms/step, inline 66-78, no speculation 64-77 (bench/stv.py).
         # The runtime (runtime/device.py resolve_runtime: SOCOMPILE_RUNTIME, else CUDA when available, else the
         # CPU): under "emulated" a CPU model is treated as a CUDA one (runtime/emulated_cuda.py).
         from ..runtime.device import resolve_runtime
         self.runtime_kind = resolve_runtime()
-        on_device = self.runtime_kind in ("cuda", "emulated")
-        if cpu_worker == "auto":
-            cpu_worker = "thread" if on_device else "inline"
-        self.cpu_worker = cpu_worker
-        if rollback not in ("pingpong", "inverse"):
-            raise ValueError(f"rollback must be 'pingpong' (exact, 2x optimizer state) or 'inverse' (algebraic, "
-                             f"1x state), got {rollback!r}")
-        if host_master not in ("auto", "shared", "separate"):
-            raise ValueError(f"host_master must be 'shared' (fp32 CPU parameters alias the fp32 master), 'separate' "
-                             f"(the parameters keep their dtype and device; the fp32 master stays on the host) or "
-                             f"'auto' (separate when any parameter is not an fp32 CPU tensor), got {host_master!r}")
-        if host_master == "auto":   # shared: the parameters can alias a master of their own dtype
-            host_master = "separate" if any(real_dtype(p.dtype) not in (torch.float32, torch.float64)
-                                            or p.device.type != "cpu" or self.runtime_kind == "emulated"
-                                            for g in self.param_groups for p in g["params"]) else "shared"
-        self.host_master = host_master
-        self.rollback = rollback
-        self.moment_dtype = check_moment_dtype(moment_dtype, rollback)
+        self.cpu_worker = resolve_cpu_worker(cpu_worker, self.runtime_kind)
+        self.rollback = check_rollback(rollback)
+        self.host_master = resolve_host_master(host_master, self.param_groups, self.runtime_kind)
+        self.moment_dtype = check_moment_dtype(moment_dtype, self.rollback)
         self.bucket_size = parse_bytes(bucket_size, "bucket_size")
         self.grad_accumulation_steps = grad_accumulation_steps
         self.events = EventLog()
@@ -110,14 +88,14 @@ class AdamW(torch.optim.Optimizer):
         self.host_block_ledger = HostBlockLedger()   # where host threads wait on the device or worker (``host_blocks()``)
         self._jobs = BucketJobs(self.host_block_ledger)   # the CPU worker's bucket jobs in flight (its steps, and the ends step() left)
         self._step_ends: dict[int, _StepEnd] = {}   # id(bucket): a step() that returned before its job ended
-        self._claims = Claims()
-        self.param_slots: dict[int, tuple[FlatBucket, int]] = {}
-        self.group_index: dict[int, int] = {}
         self.taken_over = False
-        self._own(range(len(self.param_groups)))
-        self._pool: list[FlatBucket] = []
         self.runtimes = Runtimes()   # the device runtime (streams) of this optimizer's buckets, per device
         self.host_ledger = HostLedger()   # every host buffer of its buckets (and offloaded activations)
+        self.store = BucketStore(
+            BucketSettings(self.host_master, self.rollback, self.moment_dtype, self.bucket_size, self.runtime_kind),
+            self.runtimes, traffic=self.traffic_ledger, host_ledger=self.host_ledger,
+            host_work=self.host_work_ledger, host_blocks=self.host_block_ledger)
+        self._own(range(len(self.param_groups)))
         # ZeRO-style data parallelism (socompile.distributed.zero.shard_optimizer sets it): reduce-scatters each
         # bucket's gradients, makes every rank step only its shard, agrees on validation, all-gathers weights.
         self.sharding = None
@@ -185,10 +163,12 @@ class AdamW(torch.optim.Optimizer):
 
     @property
     def buckets(self) -> list[FlatBucket]:
-        return self.claimed_buckets() + self._pool
+        return self.store.buckets()
 
-    def claimed_buckets(self) -> list[FlatBucket]:
-        return [b for claim in self._claims.active() for b in claim.buckets]
+    @property
+    def param_slots(self) -> dict[int, tuple[FlatBucket, int]]:
+        """id(parameter): (its bucket, its index in the bucket), for every bucketed parameter."""
+        return self.store.slots
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's, plus ownership (a compiled graph finds its optimizer through its parameters), after the
@@ -197,7 +177,7 @@ class AdamW(torch.optim.Optimizer):
         if isinstance(param_group, dict):
             check_group(param_group, where=f"param group {len(self.param_groups)}: ")
         super().add_param_group(param_group)
-        if not hasattr(self, "param_slots"):   # called by Optimizer.__init__: our __init__ registers the groups
+        if "store" not in self.__dict__:   # called by Optimizer.__init__: our __init__ registers the groups
             return
         self._own([len(self.param_groups) - 1])
         self._rebuild_pool()
@@ -212,7 +192,7 @@ class AdamW(torch.optim.Optimizer):
         for gi in group_indices:
             for p in self.param_groups[gi]["params"]:
                 set_owner(p, self)
-                self.group_index[id(p)] = gi
+                self.store.join_group(p, gi)
 
     def hand_over(self) -> None:
         """A newer socompile.AdamW was built over (some of) this optimizer's parameters and takes them over.
@@ -238,7 +218,7 @@ class AdamW(torch.optim.Optimizer):
 
     def _rebuild_pool(self) -> None:
         """Lay out again the buckets of every parameter no active claim holds (optim/bucket_layout.py)."""
-        self._pool = pool_buckets(self)
+        self.store.rebuild_pool(self.all_params(), self.sharding, self.state)
 
     def claim(self, param_lists: list[list[nn.Parameter]], early_step: list[bool] | None = None,
               rollback: list[str] | None = None, sites: list[str] | None = None,
@@ -260,9 +240,9 @@ class AdamW(torch.optim.Optimizer):
         self._check_not_taken_over()
         self.wait_pending()
         layout = ClaimLayout.of(param_lists, early_step, rollback, sites, weight_modes, link_dtypes, cast_sites)
-        if any(i not in self.group_index for i in layout.key):
+        if any(i not in self.store.group_index for i in layout.key):
             raise ValueError("the compiled graph's parameter is not in this optimizer")
-        claim = self._claims.get_or_add(self, layout, origin or GraphOrigin())
+        claim = self.store.claims.get_or_add(self, layout, origin or GraphOrigin())
         self.activate_claim(claim)
         return claim
 
@@ -272,8 +252,8 @@ class AdamW(torch.optim.Optimizer):
         if claim.active:
             return
         self.wait_pending()
-        self._claims.take_over(claim)
-        claim.buckets[:] = make_buckets(self, **claim.layout.bucket_args())
+        self.store.claims.take_over(claim)
+        claim.buckets[:] = self.store.make(sharding=self.sharding, state=self.state, **claim.layout.bucket_args())
         for bucket, mode in zip(claim.buckets, claim.layout.rollback or ()):
             if mode != "pingpong" and bucket.moments_rounded:
                 raise ValueError(

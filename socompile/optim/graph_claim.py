@@ -63,7 +63,7 @@ class ClaimLayout:
         return frozenset(id(p) for params in self.param_lists for p in params)
 
     def bucket_args(self) -> dict:
-        """``bucket_layout.make_buckets``' arguments for this layout."""
+        """``BucketStore.make``'s arguments for this layout (optim/bucket_layout.py)."""
         return dict(param_lists=[list(ps) for ps in self.param_lists], indices=list(range(len(self.param_lists))),
                     sites=list(self.sites) if self.sites else None, flow=list(self.flow) if self.flow else None,
                     link_dtypes=list(self.link_dtypes) if self.link_dtypes else None,

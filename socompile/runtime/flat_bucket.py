@@ -104,7 +104,8 @@ class FlatBucket(HostMasterCopies):
                  host_master: str = "shared", site: str = "cpu", flow: bool = False, runtime=None,
                  link_dtype: str | None = None, cast_site: str = "cpu", traffic: TrafficLedger | None = None,
                  host_ledger=None, host_work: HostWorkLedger | None = None,
-                 moment_dtype: torch.dtype = torch.float32, host_blocks: HostBlockLedger | None = None):
+                 moment_dtype: torch.dtype = torch.float32, host_blocks: HostBlockLedger | None = None,
+                 groups: list[int] | None = None):
         if host_master not in ("shared", "separate"):
             raise ValueError(f"host_master must be 'shared' or 'separate', got {host_master!r}")
         self.mirror = host_master == "separate"
@@ -166,6 +167,7 @@ class FlatBucket(HostMasterCopies):
         self.speculated = None     # None, or where the speculative step wrote: "spare" or "inplace"
         self.partial = None        # (sum of squared gradients, any non-finite) of this iteration, once known
         self.rollback_mode = "pingpong"
+        self.group_of = list(groups) if groups is not None else [0] * len(params)   # each parameter's param group
         self.kernel_threads = None  # OpenMP threads of the CPU kernel for this bucket (option optimizer_threads)
         self.spare = None          # (master, exp_avg, exp_avg_sq) of the ping-pong spare, allocated on first use
         self._views: dict[tuple[int, int], torch.Tensor] = {}
