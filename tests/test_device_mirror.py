@@ -95,7 +95,9 @@ CASES = {"stationary": dict(weight_mode="stationary"), "flow": dict(weight_mode=
          "mix": MIX}
 
 
-@pytest.mark.parametrize("case", [pytest.param("stationary", marks=pytest.mark.slow), "flow", "mix"])
+# the default suite runs "mix" (stationary and flowing buckets in one model); all-stationary and all-flow: -m slow
+@pytest.mark.parametrize("case", [pytest.param("stationary", marks=pytest.mark.slow),
+                                  pytest.param("flow", marks=pytest.mark.slow), "mix"])
 def test_forced_separate_master_on_fp32_is_bitwise_equal_to_the_shared_master(case):
     shared, so, _ = train("shared", options=CASES[case])
     mirror, mo, backend = train("separate", options=CASES[case])
