@@ -440,7 +440,8 @@ def test_device_zero_dp2_x_sp2_compiled_equals_torch():
     _check_memory_and_link(results, 4)
 
 
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+# eager: -m slow (the default suite accumulates compiled here, and steps eagerly at dp 3 above)
+@pytest.mark.parametrize("compile", [pytest.param(False, marks=pytest.mark.slow), True], ids=["eager", "compiled"])
 def test_device_zero_gradient_accumulation_equals_torch(compile):
     # 2 micro-batches per step on each rank, summed in the device buffer, reduced once per step
     results = _results({"dtype": "float32", "accumulate": 2, "compile": compile}, 2)

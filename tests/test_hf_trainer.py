@@ -74,9 +74,10 @@ def _assert_equal_runs(ours, ref, what):
                                rtol=RTOL, atol=0, msg=lambda m: f"{what}: {m}")
 
 
-# offloaded without accumulation: -m slow (the default suite has offloaded with accumulation, default without)
+# without accumulation: -m slow (the default suite has both plans with accumulation, and the save-and-resume test
+# below trains without)
 @pytest.mark.parametrize("plan, accumulation", [pytest.param("offloaded", 1, marks=pytest.mark.slow), ("offloaded", 2),
-                                                ("default", 1), ("default", 2)])
+                                                pytest.param("default", 1, marks=pytest.mark.slow), ("default", 2)])
 def test_one_switch_trains_equal_to_the_trainer(tmp_path, accumulation, plan):
     options = OFFLOADED if plan == "offloaded" else DEFAULT_PLAN
     ref_trainer, ref_losses, ref_norms = _train(
