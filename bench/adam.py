@@ -14,7 +14,9 @@ user does this as grad.float() -> step -> param.to(bf16), so torch and DeepSpeed
 Both move 28 bytes per parameter in one pass (fp32: read p g m v 16 B, write p m v 12 B; bf16: read 4+2+4+4,
 write 4+4+4+2), and "GB/s" is 28 B * N / seconds, so the column compares methods directly; the "bf16 moments"
 rows (socompile.AdamW(moment_dtype=torch.bfloat16): m and v stored in bf16, stochastically rounded) move 20 B,
-and their "GB/s" counts those.
+and their "GB/s" counts those; the "int8 moments" rows (moment_dtype="int8": 16 one-byte codes + one fp32 scale
+per 16 parameters and moment, stochastically rounded; regular stores) move 17 B (p 4R 4W, g 4R, m and v 1.25R
+1.25W each), and their "GB/s" counts those.
 
 Each method: `--warmup` untimed steps, then `--repeats` timed steps, the methods interleaved round-robin so
 load from other processes falls on all alike; median and min-max of seconds per step. All methods step the

@@ -34,6 +34,7 @@ class Problem:
         # bf16 moments (socompile.AdamW(moment_dtype=torch.bfloat16)) and their ping-pong state B, allocated on
         # first use by a "bf16 moments" row
         self._moments16 = None
+        self._moments8 = None
         self.p16 = [torch.zeros(s, dtype=torch.bfloat16) for s in sizes] if mode == "bf16" else [None] * ntensors
         # state "B" for ping-pong, shared by ours and the ceiling; zero-filled so page faults are not timed
         self.alt = [(torch.zeros(s), torch.zeros(s), torch.zeros(s)) for s in sizes]
@@ -50,6 +51,24 @@ class Problem:
             self._moments16 = ([half(s) for s in sizes], [half(s) for s in sizes],
                                [(torch.zeros(s), half(s), half(s)) for s in sizes])
         return self._moments16
+
+
+    def moments8(self):
+        """(m, v, state B) with int8 block-quantised moments (socompile.AdamW(moment_dtype="int8"): uint8 buffers
+        of 20 B per 16 parameters), made once for the rows that use them (zero-filled: valid blocks of scale 0,
+        and no page faults timed)."""
+        if self._moments8 is None:
+            sizes = [p.numel() for p in self.p]
+            packed = lambda s: torch.zeros(-(-s // 16) * 20, dtype=torch.uint8)  # noqa: E731
+            self._moments8 = ([packed(s) for s in sizes], [packed(s) for s in sizes],
+                              [(torch.zeros(s), packed(s), packed(s)) for s in sizes])
+        return self._moments8
+
+    def moments(self, bf16_moments=False, int8_moments=False):
+        """(m, v, state B) of the moment format a row uses: fp32, bf16 or int8."""
+        if int8_moments:
+            return self.moments8()
+        return self.moments16() if bf16_moments else (self.m, self.v, self.alt)
 
 
 # ------------------------------------------------------------------ the methods (each returns a step function)
@@ -101,15 +120,16 @@ def with_static_schedule(run):
     return wrapped
 
 
-def make_ours(pr, pingpong, per_tensor_calls=False, bf16_moments=False):
+def make_ours(pr, pingpong, per_tensor_calls=False, bf16_moments=False, int8_moments=False):
     """One adam_step_multi call for all tensors (one parallel region), or, with per_tensor_calls, one
     adam_step call per tensor (what a loop over parameters does; None for one tensor: the same thing).
-    bf16_moments: the moments stored in bf16 (stochastically rounded), 20 B per parameter with fp32 grads."""
+    bf16_moments: the moments stored in bf16 (stochastically rounded), 20 B per parameter with fp32 grads;
+    int8_moments: int8 blocks (16 codes + an fp32 scale per 16 parameters), 17 B per parameter."""
     import socompile_ext as se
 
     if per_tensor_calls and pr.ntensors == 1:
         return None
-    m, v, alt = pr.moments16() if bf16_moments else (pr.m, pr.v, pr.alt)
+    m, v, alt = pr.moments(bf16_moments, int8_moments)
     state = [[p.detach() for p in pr.p], list(m), list(v)]
     other = [[a[0] for a in alt], [a[1] for a in alt], [a[2] for a in alt]]
     step = [0]
@@ -131,11 +151,12 @@ def make_ours(pr, pingpong, per_tensor_calls=False, bf16_moments=False):
     return run
 
 
-def make_ceiling(pr, pingpong, bf16_moments=False):
-    """The step's loads and stores without its arithmetic (with bf16 moments: their 2-byte loads and stores)."""
+def make_ceiling(pr, pingpong, bf16_moments=False, int8_moments=False):
+    """The step's loads and stores without its arithmetic (with bf16 moments: their 2-byte loads and stores;
+    int8 moments: their codes and scales, regular stores as the int8 step)."""
     import socompile_ext as se
 
-    m, v, alt = pr.moments16() if bf16_moments else (pr.m, pr.v, pr.alt)
+    m, v, alt = pr.moments(bf16_moments, int8_moments)
     params = [p.detach() for p in pr.p]
     outs = [[a[j] for a in alt] for j in range(3)] if pingpong else [None, None, None]
 
@@ -225,7 +246,12 @@ def method_table(foreach: bool, deepspeed: bool, extra: bool) -> list:
                 ("ours in-place, bf16 moments", lambda pr: make_ours(pr, False, bf16_moments=True)),
                 ("ours ping-pong, bf16 moments", lambda pr: make_ours(pr, True, bf16_moments=True)),
                 ("ceiling in-place, bf16 moments", lambda pr: make_ceiling(pr, False, bf16_moments=True)),
-                ("ceiling ping-pong, bf16 moments", lambda pr: make_ceiling(pr, True, bf16_moments=True))]
+                ("ceiling ping-pong, bf16 moments", lambda pr: make_ceiling(pr, True, bf16_moments=True)),
+                # int8 moments: 16 codes + one fp32 scale per 16 parameters, 1.25 B per moment instead of 4
+                ("ours in-place, int8 moments", lambda pr: make_ours(pr, False, int8_moments=True)),
+                ("ours ping-pong, int8 moments", lambda pr: make_ours(pr, True, int8_moments=True)),
+                ("ceiling in-place, int8 moments", lambda pr: make_ceiling(pr, False, int8_moments=True)),
+                ("ceiling ping-pong, int8 moments", lambda pr: make_ceiling(pr, True, int8_moments=True))]
     if extra:
         methods += [("ours in-place, static schedule", lambda pr: with_static_schedule(make_ours(pr, False))),
                     ("ours in-place, prefetch", lambda pr: with_prefetch(PREFETCH_ROW, make_ours(pr, False))),

@@ -8,6 +8,9 @@ BYTES_PER_PARAM = 28   # one pass of an Adam step, fp32 or bf16 (bench/adam.py's
 # with bf16 moments a pass moves 8 B fewer per parameter (hardware/cpu_adam.py adam_kernel_bytes): their rows'
 # "GB/s" counts the bytes they move
 BF16_MOMENT_BYTES_SAVED = 8
+# int8 moments: 1.25 B per moment and direction (a code + a quarter of a block's 4-byte scale) instead of 4, so
+# p 4R 4W, g 4R (or 2R + a 2-B bf16 copy W), m 1.25R 1.25W, v 1.25R 1.25W = 17 B per parameter
+INT8_MOMENT_BYTES_SAVED = 11
 
 
 def fmt_size(n):
@@ -20,6 +23,8 @@ def summary(times, n, bytes_per_param=BYTES_PER_PARAM):
 
 
 def bytes_per_param(method: str) -> int:
+    if "int8 moments" in method:
+        return BYTES_PER_PARAM - INT8_MOMENT_BYTES_SAVED
     return BYTES_PER_PARAM - (BF16_MOMENT_BYTES_SAVED if "bf16 moments" in method else 0)
 
 
@@ -53,6 +58,11 @@ RATIOS = [  # (label, numerator method, denominator method): > 1 means the denom
     ("bf16 moments: ours ping-pong / its ceiling", "ceiling ping-pong, bf16 moments", "ours ping-pong, bf16 moments"),
     ("bf16 moments vs fp32 moments, in-place (speed-up)", "ours in-place", "ours in-place, bf16 moments"),
     ("bf16 moments vs fp32 moments, ping-pong (speed-up)", "ours ping-pong", "ours ping-pong, bf16 moments"),
+    ("int8 moments: ours in-place / its ceiling [ceiling fraction]", "ceiling in-place, int8 moments",
+     "ours in-place, int8 moments"),
+    ("int8 moments: ours ping-pong / its ceiling", "ceiling ping-pong, int8 moments", "ours ping-pong, int8 moments"),
+    ("int8 moments vs fp32 moments, in-place (speed-up)", "ours in-place", "ours in-place, int8 moments"),
+    ("int8 moments vs fp32 moments, ping-pong (speed-up)", "ours ping-pong", "ours ping-pong, int8 moments"),
 ]
 
 
@@ -88,6 +98,9 @@ def print_ratios(configs, alltimes):
         if n >= 128 << 20:
             goals.append((f"{tag}: bf16 moments >= 95% of their ceiling",
                           get("ceiling in-place, bf16 moments", "ours in-place, bf16 moments"), 0.95))
+        if n >= 128 << 20:
+            goals.append((f"{tag}: int8 moments >= 95% of their ceiling",
+                          get("ceiling in-place, int8 moments", "ours in-place, int8 moments"), 0.95))
         if mode == "fp32" and n >= 128 << 20:   # 28 / 20 B per parameter: 1.4x at the memory ceiling
             goals.append((f"{tag}: bf16 moments >= 1.3x the fp32-moment step",
                           get("ours in-place", "ours in-place, bf16 moments"), 1.3))

@@ -1,4 +1,4 @@
-"""Does training with bf16 Adam moments converge as fp32 moments do? Side by side in one run.
+"""Does training with bf16 or int8 Adam moments converge as fp32 moments do? Side by side in one run.
 
     .venv/bin/python bench/moments_convergence.py                                  # tiny preset, 2000 steps
     .venv/bin/python bench/moments_convergence.py --preset small --steps 300 --lr 1e-3
@@ -6,8 +6,8 @@
 
 Every format trains its own copy of the same model (same seed, same initial weights) on the same batches, in
 lockstep: socompile.AdamW compiled with the superoffload backend (every bucket stepped by the CPU kernel),
-moment_dtype fp32 (the anchor: torch.optim.AdamW's numbers, tests/test_backend_training.py) and bf16
-(stochastically rounded, docs/kernel.md), and fp32 from other initial weights (the noise floor). Training text: the first 90% of the embedded corpus (the Python
+moment_dtype fp32 (the anchor: torch.optim.AdamW's numbers, tests/test_backend_training.py), bf16 and int8 blocks
+(both stochastically rounded, docs/kernel.md), and fp32 from other initial weights (the noise floor). Training text: the first 90% of the embedded corpus (the Python
 standard library's sources, socompile.data); evaluation: fixed batches from the last 10%, every --eval-every
 steps. Prints the eval-loss curves side by side and the ratios to fp32 (the final evaluation, and the mean of the
 last --tail ones), and writes an SVG plot of the curves to --svg.
@@ -33,14 +33,16 @@ from socompile.models import build  # noqa: E402
 # name: (moment dtype, initialisation seed). "fp32 seed 1" is the noise floor: fp32 moments from other initial
 # weights, showing how far two equally good runs drift apart on this data; bf16's distance from fp32 means
 # something only next to it.
-FORMATS = {"fp32": (torch.float32, 0), "bf16": (torch.bfloat16, 0), "fp32 seed 1": (torch.float32, 1)}
+FORMATS = {"fp32": (torch.float32, 0), "bf16": (torch.bfloat16, 0), "int8": ("int8", 0),
+           "fp32 seed 1": (torch.float32, 1)}
+AIMS = {"bf16": "; aim for bf16: within 1%", "int8": "; aim for int8: within 2%", "fp32 seed 1": "; the noise floor"}
 
 
 def loss_of(model, x, y):
     return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
 
 
-def make_run(preset: str, moment_dtype: torch.dtype, seed: int, lr: float):
+def make_run(preset: str, moment_dtype, seed: int, lr: float):
     torch._dynamo.reset()
     torch.manual_seed(seed)
     model = build(preset)
@@ -95,7 +97,7 @@ def main():
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-batches", type=int, default=16)
-    ap.add_argument("--formats", default="fp32,bf16,fp32 seed 1", help=f"comma-separated, of {sorted(FORMATS)}")
+    ap.add_argument("--formats", default="fp32,bf16,int8,fp32 seed 1", help=f"comma-separated, of {sorted(FORMATS)}")
     ap.add_argument("--tail", type=int, default=5, help="evaluations averaged for the final comparison")
     ap.add_argument("--svg", default="", help="write the plot here (default: none)")
     args = ap.parse_args()
@@ -111,15 +113,16 @@ def main():
     seconds = {name: 0.0 for name in names}
     print(f"# {args.preset}, {args.steps} steps, batch {args.batch} x {args.seq} bytes, lr {args.lr}, "
           f"betas (0.9, 0.95), weight decay 0.1, max_grad_norm 1.0; torch {torch.__version__}")
+    compared = [name for name in names if name != "fp32"] if "fp32" in names else []
     print(f"{'step':>6} " + " ".join(f"{name + ' eval':>10}" for name in names)
-          + (f" {'bf16/fp32':>10}" if {"fp32", "bf16"} <= set(names) else ""))
+          + "".join(f" {name + '/fp32':>15}" for name in compared))
     for step in range(args.steps + 1):
         if step % args.eval_every == 0 or step == args.steps:
             for name, (model, _, opt) in runs.items():
                 with opt.materialized_weights():
                     curves[name].append((step, evaluate(model, eval_batches)))
             row = {name: curves[name][-1][1] for name in names}
-            ratio = f" {row['bf16'] / row['fp32']:10.5f}" if {"fp32", "bf16"} <= set(names) else ""
+            ratio = "".join(f" {row[name] / row['fp32']:15.5f}" for name in compared)
             print(f"{step:>6} " + " ".join(f"{row[name]:10.5f}" for name in names) + ratio, flush=True)
         if step == args.steps:
             break
@@ -134,7 +137,7 @@ def main():
     for name, (_, _, opt) in runs.items():   # what each run really held: the moment buffers' bytes
         held = opt.host_memory()["by_purpose"].get("Adam moments", {})
         print(f"{name} moments: {sum(held.values()) / 1e6:.2f} MB of moments held "
-              f"({sorted({str(b.exp_avg.dtype) for b in opt.buckets})})")
+              f"({sorted({b.moment_format for b in opt.buckets})})")
     final = {name: curves[name][-1][1] for name in names}
     for name in names:
         best = min(v for _, v in curves[name])
@@ -146,9 +149,9 @@ def main():
             ratio, mean_ratio = final[name] / final["fp32"], tail[name] / tail["fp32"]
             print(f"{name} / fp32: final eval loss {ratio:.4f} ({(ratio - 1) * 100:+.2f}%), mean of the last "
                   f"{args.tail} evaluations {mean_ratio:.4f} ({(mean_ratio - 1) * 100:+.2f}%)"
-                  + ("; aim for bf16: within 1%" if name == "bf16" else "; the noise floor"))
+                  + AIMS.get(name, ""))
     if args.svg:
-        svg_plot(curves, Path(args.svg), f"{args.preset}: eval loss, fp32 vs bf16 Adam moments")
+        svg_plot(curves, Path(args.svg), f"{args.preset}: eval loss by Adam moment format")
         print(f"plot: {args.svg}")
 
 

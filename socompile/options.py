@@ -105,7 +105,7 @@ class Options:
     runtime (the optimizer's 'auto'). Other runtimes always keep a separate master."""
     moment_dtype: str | None = None
     """The format of the CPU buckets' Adam moments the plan counts (host memory, CPU bytes per step): 'float32'
-    or 'bfloat16' (socompile.AdamW's moment_dtype). None: read from the optimizer that owns the compiled
+    'bfloat16' or 'int8' (socompile.AdamW's moment_dtype). None: read from the optimizer that owns the compiled
     parameters; 'float32' when planning without one (python -m socompile plan --moment-dtype)."""
     on_graph_break: str = "warn"
     """On a graph break inside the compiled region: 'warn' (log where, with the source line), 'error', 'ignore'."""
@@ -186,8 +186,8 @@ class Options:
         if self.host_master not in (None, "shared", "separate"):
             raise OptionError(f"host_master must be 'shared', 'separate' or None (the optimizer's), got "
                               f"{self.host_master!r}")
-        if self.moment_dtype not in (None, "float32", "bfloat16"):
-            raise OptionError(f"moment_dtype must be 'float32', 'bfloat16' or None (the optimizer's), got "
+        if self.moment_dtype not in (None, "float32", "bfloat16", "int8"):
+            raise OptionError(f"moment_dtype must be 'float32', 'bfloat16', 'int8' or None (the optimizer's), got "
                               f"{self.moment_dtype!r}")
         if self.activations not in ("auto", *ACTIVATION_CHOICES):
             *most, last = map(repr, ("auto", *ACTIVATION_CHOICES))

@@ -26,6 +26,7 @@ import weakref
 from torch import fx
 
 from .context import CompileContext
+from .moment_format import format_of
 from .logs import artifact, timed
 
 log = logging.getLogger("socompile")
@@ -182,7 +183,7 @@ def _check_moment_format(ctx: CompileContext) -> None:
     """The plan counted the moments in the format the optimizer stores them in (host memory, CPU bytes): an
     explicit ``moment_dtype`` option that contradicts the optimizer's would make both wrong."""
     import torch
-    planned = "bfloat16" if ctx.plan.prediction("moment_bytes", 4) == 2 else "float32"
+    planned = format_of(ctx.plan.prediction("moment_bytes", 4))
     held = str(getattr(ctx.optimizer, "moment_dtype", torch.float32)).removeprefix("torch.")
     if planned != held:
         raise ValueError(

@@ -10,7 +10,8 @@ inverse for when two copies do not fit: computed in double, NOT bitwise (error b
 and it cannot undo a step whose gradient was non-finite.
 
 All tensors: CPU, contiguous, same number of elements (any shape); fp32 param, fp32 or bf16 moments (both
-alike), fp32 or bf16 grad.
+alike), fp32 or bf16 grad. int8 moments: exp_avg / exp_avg_sq (and their outputs) are torch.uint8 buffers of
+20 * ceil(n / 16) bytes in the block format of csrc/adam.h (socompile/runtime/int8_moments.py converts).
 Bad input raises ValueError/TypeError; nothing is ever updated through a temporary copy.
 
 Importing this module does not import torch (the kernels take torch tensors, so torch is imported by the
@@ -108,30 +109,60 @@ def _grad_addrs(grad, addr):
 
 # ---------------------------------------------------------------- public API
 
+MOMENTS_FP32, MOMENTS_BF16, MOMENTS_INT8 = 0, 1, 2   # moment formats (_adam's mfmt)
+INT8_BLOCK, INT8_BLOCK_BYTES = 16, 20                 # int8 moments: 16 codes + one fp32 scale per block
+
+
+def int8_moment_bytes(n: int) -> int:
+    """Bytes of one int8 moment buffer for n elements: 20 per block of 16 (a short last block too)."""
+    return -(-n // INT8_BLOCK) * INT8_BLOCK_BYTES
+
+
+def _moment_span(mfmt, n):
+    """(element size, elements) of a moment buffer of n parameters in format mfmt (for the overlap check)."""
+    if mfmt == MOMENTS_INT8:
+        return 1, int8_moment_bytes(n)
+    return (2 if mfmt == MOMENTS_BF16 else 4), n
+
+
+def _check_moment(name, t, dtypes, n, mfmt):
+    """_check for a moment buffer: n elements (fp32, bf16) or an int8 buffer of int8_moment_bytes(n) bytes."""
+    if mfmt != MOMENTS_INT8:
+        return _check(name, t, dtypes, n)
+    addr = _check(name, t, dtypes, None)
+    want = int8_moment_bytes(n)
+    if t.numel() != want:
+        raise ValueError(f"{name} is an int8 moment buffer (torch.uint8) of {t.numel()} bytes; for a param of {n} "
+                         f"elements it must be 20 * ceil({n} / 16) = {want} bytes (16 codes + one fp32 scale "
+                         f"per block of 16)")
+    return addr
+
+
 def _step_addrs(param, grad, exp_avg, exp_avg_sq, param_out, exp_avg_out, exp_avg_sq_out, param_bf16_out):
-    """Validate the tensors of one step (or its copy ceiling); return n and their addresses (an output that
-    is not given aliases its input: updated in place)."""
+    """Validate the tensors of one step (or its copy ceiling); return n, their addresses (an output that is
+    not given aliases its input: updated in place) and the moment format (MOMENTS_*)."""
     torch = _t()
     f32 = (torch.float32,)
     p = _check("param", param, f32, None)
     n = param.numel()
     g = _check("grad", grad, (torch.float32, torch.bfloat16), n)
-    m = _check("exp_avg", exp_avg, (torch.float32, torch.bfloat16), n)
     # the moments' format is exp_avg's: exp_avg_sq and the moment outputs must be in it too
+    mfmt = {torch.bfloat16: MOMENTS_BF16, torch.uint8: MOMENTS_INT8}.get(getattr(exp_avg, "dtype", None),
+                                                                        MOMENTS_FP32)
+    m = _check_moment("exp_avg", exp_avg, (torch.float32, torch.bfloat16, torch.uint8), n, mfmt)
     moments = (exp_avg.dtype,)
-    mb16 = exp_avg.dtype == torch.bfloat16
-    v = _check("exp_avg_sq", exp_avg_sq, moments, n)
+    v = _check_moment("exp_avg_sq", exp_avg_sq, moments, n, mfmt)
     po = p if param_out is None else _check("param_out", param_out, f32, n)
-    mo = m if exp_avg_out is None else _check("exp_avg_out", exp_avg_out, moments, n)
-    vo = v if exp_avg_sq_out is None else _check("exp_avg_sq_out", exp_avg_sq_out, moments, n)
+    mo = m if exp_avg_out is None else _check_moment("exp_avg_out", exp_avg_out, moments, n, mfmt)
+    vo = v if exp_avg_sq_out is None else _check_moment("exp_avg_sq_out", exp_avg_sq_out, moments, n, mfmt)
     p16 = 0 if param_bf16_out is None else _check("param_bf16_out", param_bf16_out, (torch.bfloat16,), n)
-    return n, p, g, m, v, po, mo, vo, p16, mb16
+    return n, p, g, m, v, po, mo, vo, p16, mfmt
 
 
 def _seed_ok(round_seed) -> int:
     if isinstance(round_seed, bool) or not isinstance(round_seed, int) or not 0 <= round_seed < 2**32:
-        raise ValueError(f"round_seed must be an int in [0, 2**32) (the seed of the bf16 moments' stochastic "
-                         f"rounding), got {round_seed!r}")
+        raise ValueError(f"round_seed must be an int in [0, 2**32) (the seed of the bf16 and int8 moments' "
+                         f"stochastic rounding), got {round_seed!r}")
     return round_seed
 
 
@@ -150,26 +181,34 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: 
     stochastically rounded with 16 random bits per element from a fixed hash of (round_seed, element index)
     (docs/kernel.md, "bf16 moments"); the same seed gives the same bits on every path and thread count.
 
+    int8 moments (exp_avg and exp_avg_sq, and their outputs, all torch.uint8 buffers of 20 * ceil(n / 16) bytes,
+    csrc/adam.h's block format): each block of 16 is decoded, stepped in fp32 and re-encoded with stochastic
+    rounding from the same hash of (round_seed, element index); bit for bit socompile/runtime/int8_moments.py's
+    decode / encode_moments around the fp32 step. The call's elements start a block (element 0).
+
     Returns (sum of squares of the scaled gradient, whether any scaled gradient element is non-finite).
     """
-    n, p, g, m, v, po, mo, vo, p16, mb16 = _step_addrs(param, grad, exp_avg, exp_avg_sq, param_out, exp_avg_out,
+    n, p, g, m, v, po, mo, vo, p16, mfmt = _step_addrs(param, grad, exp_avg, exp_avg_sq, param_out, exp_avg_out,
                                                        exp_avg_sq_out, param_bf16_out)
     _hparams_ok(step, lr, beta1, beta2, eps, weight_decay)
     seed = _seed_ok(round_seed)
     if n == 0:
         return 0.0, False
-    _check_no_overlap(_step_spans("", n, grad.element_size(), p, g, m, v, po, mo, vo, p16, 2 if mb16 else 4))
+    _check_no_overlap(_step_spans("", n, grad.element_size(), p, g, m, v, po, mo, vo, p16, *_moment_span(mfmt, n)))
     g32, g16 = _grad_addrs(grad, g)
     return _adam.step(n, p, m, v, g32, g16, po, mo, vo, p16, int(step), float(lr), float(beta1), float(beta2),
-                      float(eps), float(weight_decay), bool(decoupled), float(grad_scale), mb16, seed)
+                      float(eps), float(weight_decay), bool(decoupled), float(grad_scale), mfmt, seed)
 
 
-def _step_spans(tag, n, gsz, p, g, m, v, po, mo, vo, p16, msz=4):
+def _step_spans(tag, n, gsz, p, g, m, v, po, mo, vo, p16, msz=4, mlen=None):
+    """Byte spans of one step's buffers for _check_no_overlap; the moments' are mlen elements of msz bytes
+    (default n: fp32 and bf16 moments; an int8 moment buffer is int8_moment_bytes(n) bytes)."""
+    mlen = n if mlen is None else mlen
     return [(f"param{tag}", p, 4, po == p, n), (f"grad{tag}", g, gsz, False, n),
-            (f"exp_avg{tag}", m, msz, mo == m, n), (f"exp_avg_sq{tag}", v, msz, vo == v, n),
+            (f"exp_avg{tag}", m, msz, mo == m, mlen), (f"exp_avg_sq{tag}", v, msz, vo == v, mlen),
             (f"param_out{tag}", po if po != p else 0, 4, True, n),
-            (f"exp_avg_out{tag}", mo if mo != m else 0, msz, True, n),
-            (f"exp_avg_sq_out{tag}", vo if vo != v else 0, msz, True, n), (f"param_bf16_out{tag}", p16, 2, True, n)]
+            (f"exp_avg_out{tag}", mo if mo != m else 0, msz, True, mlen),
+            (f"exp_avg_sq_out{tag}", vo if vo != v else 0, msz, True, mlen), (f"param_bf16_out{tag}", p16, 2, True, n)]
 
 
 def adam_step_multi(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1: float, beta2: float,
@@ -200,13 +239,14 @@ def adam_step_multi(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: floa
     a = array.array("q")
     spans = []
     for j in range(k):
-        n, p, g, m, v, po, mo, vo, p16, mb16 = _step_addrs(params[j], grads[j], exp_avgs[j], exp_avg_sqs[j],
+        n, p, g, m, v, po, mo, vo, p16, mfmt = _step_addrs(params[j], grads[j], exp_avgs[j], exp_avg_sqs[j],
                                                            outs[0][j], outs[1][j], outs[2][j], outs[3][j])
         if n == 0:
             continue
-        spans += _step_spans(f"[{j}]", n, grads[j].element_size(), p, g, m, v, po, mo, vo, p16, 2 if mb16 else 4)
+        spans += _step_spans(f"[{j}]", n, grads[j].element_size(), p, g, m, v, po, mo, vo, p16,
+                             *_moment_span(mfmt, n))
         g32, g16 = _grad_addrs(grads[j], g)
-        a.extend((n, p, m, v, g32, g16, po, mo, vo, p16, int(mb16), seeds[j]))
+        a.extend((n, p, m, v, g32, g16, po, mo, vo, p16, mfmt, seeds[j]))
     _check_no_overlap(spans)
     count = len(a) // _adam.ENTRIES
     if count == 0:
@@ -223,9 +263,13 @@ def adam_rollback(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, bet
     in double with v clamped at >= 0; NOT bitwise (a few fp32 ulps, see docs/kernel.md), and a step taken
     with a non-finite gradient cannot be undone (use ping-pong state where that matters).
     """
-    n, p, g, m, v, *_, mb16 = _step_addrs(param, grad, exp_avg, exp_avg_sq, None, None, None, None)
+    n, p, g, m, v, *_, mfmt = _step_addrs(param, grad, exp_avg, exp_avg_sq, None, None, None, None)
     _hparams_ok(step, lr, beta1, beta2, eps, weight_decay)
-    if mb16:
+    if mfmt == MOMENTS_INT8:
+        raise ValueError("adam_rollback cannot undo a step with int8 moments: they were quantised with stochastic "
+                         "rounding, so no inverse gives them back; keep the previous state instead (ping-pong: pass "
+                         "param_out/exp_avg_out/exp_avg_sq_out to adam_step)")
+    if mfmt == MOMENTS_BF16:
         raise ValueError("adam_rollback cannot undo a step with bf16 moments: they were rounded stochastically, "
                          "so no inverse gives them back; keep the previous state instead (ping-pong: pass "
                          "param_out/exp_avg_out/exp_avg_sq_out to adam_step)")
@@ -289,10 +333,10 @@ def store_choice(param, grad, exp_avg, exp_avg_sq, *, param_out=None, exp_avg_ou
     adam_step_multi call this tensor is part of (the choice depends on the call's size); default: this
     tensor's. Each block's unaligned head (up to the outputs' first 64-byte boundary) and tail use regular
     stores in any case."""
-    n, p, g, m, v, po, mo, vo, p16, mb16 = _step_addrs(param, grad, exp_avg, exp_avg_sq, param_out, exp_avg_out,
+    n, p, g, m, v, po, mo, vo, p16, mfmt = _step_addrs(param, grad, exp_avg, exp_avg_sq, param_out, exp_avg_out,
                                                        exp_avg_sq_out, param_bf16_out)
     g32, g16 = _grad_addrs(grad, g)
-    bits = _adam.stream_choice(n, p, m, v, g32, g16, po, mo, vo, p16, int(call_numel or 0), mb16)
+    bits = _adam.stream_choice(n, p, m, v, g32, g16, po, mo, vo, p16, int(call_numel or 0), mfmt)
     return {"state": bool(bits & 1), "bf16": bool(bits & 2)}
 
 
@@ -387,12 +431,12 @@ def _copy_ceiling(param, grad, exp_avg, exp_avg_sq, param_out=None, exp_avg_out=
                   param_bf16_out=None) -> None:
     """Benchmark only: the step's loads and stores with no arithmetic (the machine's ceiling for the step).
     Same store policy as adam_step (non-temporal stores for large separate outputs)."""
-    n, p, g, m, v, po, mo, vo, p16, mb16 = _step_addrs(param, grad, exp_avg, exp_avg_sq, param_out, exp_avg_out,
+    n, p, g, m, v, po, mo, vo, p16, mfmt = _step_addrs(param, grad, exp_avg, exp_avg_sq, param_out, exp_avg_out,
                                                        exp_avg_sq_out, param_bf16_out)
     if n == 0:
         return
     g32, g16 = _grad_addrs(grad, g)
-    _adam.copy_ceiling(n, p, m, v, g32, g16, po, mo, vo, p16, mb16)
+    _adam.copy_ceiling(n, p, m, v, g32, g16, po, mo, vo, p16, mfmt)
 
 
 def _copy_ceiling_multi(params, grads, exp_avgs, exp_avg_sqs, params_out=None, exp_avgs_out=None,
@@ -405,10 +449,10 @@ def _copy_ceiling_multi(params, grads, exp_avgs, exp_avg_sqs, params_out=None, e
     outs = [x if x is not None else none for x in (params_out, exp_avgs_out, exp_avg_sqs_out, params_bf16_out)]
     a = array.array("q")
     for j in range(k):
-        n, p, g, m, v, po, mo, vo, p16, mb16 = _step_addrs(params[j], grads[j], exp_avgs[j], exp_avg_sqs[j],
+        n, p, g, m, v, po, mo, vo, p16, mfmt = _step_addrs(params[j], grads[j], exp_avgs[j], exp_avg_sqs[j],
                                                            outs[0][j], outs[1][j], outs[2][j], outs[3][j])
         if n:
             g32, g16 = _grad_addrs(grads[j], g)
-            a.extend((n, p, m, v, g32, g16, po, mo, vo, p16, int(mb16), 0))
+            a.extend((n, p, m, v, g32, g16, po, mo, vo, p16, mfmt, 0))
     if len(a):
         _adam.copy_ceiling_multi(a, len(a) // _adam.ENTRIES)

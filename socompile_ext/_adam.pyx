@@ -3,7 +3,7 @@
 messages live in __init__.py. Tensors arrive as data_ptr() addresses (zero-copy; measured ~3x less
 per-call overhead than going through t.numpy() and typed memoryviews, which matters for small buckets).
 The GIL is released around every kernel call; the kernels run their own OpenMP threads."""
-from libc.stdint cimport int64_t, uint16_t, uint32_t
+from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t
 from libc.stdlib cimport free, malloc
 
 cdef extern from "adam.h" nogil:
@@ -28,6 +28,10 @@ cdef extern from "adam.h" nogil:
         uint16_t *m16_out
         uint16_t *v16_out
         uint32_t round_seed
+        const uint8_t *m8_in
+        const uint8_t *v8_in
+        uint8_t *m8_out
+        uint8_t *v8_out
     ctypedef struct socx_stats:
         double sumsq
         int nonfinite
@@ -79,9 +83,13 @@ cdef extern from *:
 ctypedef size_t addr  # a tensor's data_ptr(); 0 for "not given"
 
 
+MOMENTS_FP32, MOMENTS_BF16, MOMENTS_INT8 = 0, 1, 2   # the moment format argument (``mfmt``) below
+
+
 cdef void _fill(socx_buffers *b, int64_t n, addr p, addr m, addr v, addr g32, addr g16, addr p_out,
-                addr m_out, addr v_out, addr p16_out, bint mb16=False, uint32_t seed=0):
-    """mb16: the moment addresses (m, v, m_out, v_out) are bf16 buffers, stochastically rounded with ``seed``."""
+                addr m_out, addr v_out, addr p16_out, int mfmt=0, uint32_t seed=0):
+    """mfmt: the moment addresses (m, v, m_out, v_out) are fp32 (0), bf16 (1: stochastically rounded with
+    ``seed``) or int8 packed buffers (2: adam.h's block format, rounded with ``seed``)."""
     b.n = n
     b.p_in = <const float *>p
     b.p_out = <float *>p_out
@@ -89,11 +97,18 @@ cdef void _fill(socx_buffers *b, int64_t n, addr p, addr m, addr v, addr g32, ad
     b.m_out = b.v_out = NULL
     b.m16_in = b.v16_in = NULL
     b.m16_out = b.v16_out = NULL
-    if mb16:
+    b.m8_in = b.v8_in = NULL
+    b.m8_out = b.v8_out = NULL
+    if mfmt == 1:
         b.m16_in = <const uint16_t *>m
         b.v16_in = <const uint16_t *>v
         b.m16_out = <uint16_t *>m_out
         b.v16_out = <uint16_t *>v_out
+    elif mfmt == 2:
+        b.m8_in = <const uint8_t *>m
+        b.v8_in = <const uint8_t *>v
+        b.m8_out = <uint8_t *>m_out
+        b.v8_out = <uint8_t *>v_out
     else:
         b.m_in = <const float *>m
         b.v_in = <const float *>v
@@ -124,11 +139,11 @@ cdef socx_hparams _hp(int64_t step, double lr, double beta1, double beta2, doubl
 
 def step(int64_t n, addr p, addr m, addr v, addr g32, addr g16, addr p_out, addr m_out, addr v_out,
          addr p16_out, int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
-         bint decoupled, double grad_scale, bint mb16=False, uint32_t seed=0):
+         bint decoupled, double grad_scale, int mfmt=0, uint32_t seed=0):
     cdef socx_buffers b
     cdef socx_hparams h = _hp(step, lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale)
     cdef socx_stats st
-    _fill(&b, n, p, m, v, g32, g16, p_out, m_out, v_out, p16_out, mb16, seed)
+    _fill(&b, n, p, m, v, g32, g16, p_out, m_out, v_out, p16_out, mfmt, seed)
     with nogil:
         st = socx_adam_step(&b, &h)
     return st.sumsq, st.nonfinite != 0
@@ -138,7 +153,7 @@ ENTRIES = 12   # per tensor in a multi call's array
 
 
 cdef socx_buffers *_fill_many(const int64_t[::1] a, int count) except NULL:
-    """a: ENTRIES per tensor (n, p, m, v, g32, g16, p_out, m_out, v_out, p16_out, bf16 moments, seed)."""
+    """a: ENTRIES per tensor (n, p, m, v, g32, g16, p_out, m_out, v_out, p16_out, moment format, seed)."""
     cdef socx_buffers *bs = <socx_buffers *>malloc(max(count, 1) * sizeof(socx_buffers))
     cdef int j, k
     if bs == NULL:
@@ -146,7 +161,7 @@ cdef socx_buffers *_fill_many(const int64_t[::1] a, int count) except NULL:
     for j in range(count):
         k = 12 * j
         _fill(&bs[j], a[k], <addr>a[k + 1], <addr>a[k + 2], <addr>a[k + 3], <addr>a[k + 4], <addr>a[k + 5],
-              <addr>a[k + 6], <addr>a[k + 7], <addr>a[k + 8], <addr>a[k + 9], a[k + 10] != 0, <uint32_t>a[k + 11])
+              <addr>a[k + 6], <addr>a[k + 7], <addr>a[k + 8], <addr>a[k + 9], <int>a[k + 10], <uint32_t>a[k + 11])
     return bs
 
 
@@ -185,11 +200,11 @@ def get_dynamic_schedule():
 
 
 def rollback(int64_t n, addr p, addr m, addr v, addr g32, addr g16, int64_t step, double lr, double beta1,
-             double beta2, double eps, double weight_decay, bint decoupled, double grad_scale):
+             double beta2, double eps, double weight_decay, bint decoupled, double grad_scale, int mfmt=0):
     cdef socx_buffers b
     cdef socx_hparams h = _hp(step, lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale)
     cdef int rc
-    _fill(&b, n, p, m, v, g32, g16, p, m, v, 0)
+    _fill(&b, n, p, m, v, g32, g16, p, m, v, 0, mfmt)
     with nogil:
         rc = socx_adam_rollback(&b, &h)
     return rc
@@ -203,17 +218,17 @@ def grad_stats(int64_t n, addr g32, addr g16):
 
 
 def copy_ceiling(int64_t n, addr p, addr m, addr v, addr g32, addr g16, addr p_out, addr m_out, addr v_out,
-                 addr p16_out, bint mb16=False):
+                 addr p16_out, int mfmt=0):
     cdef socx_buffers b
-    _fill(&b, n, p, m, v, g32, g16, p_out, m_out, v_out, p16_out, mb16)
+    _fill(&b, n, p, m, v, g32, g16, p_out, m_out, v_out, p16_out, mfmt)
     with nogil:
         socx_copy_ceiling(&b)
 
 
 def stream_choice(int64_t n, addr p, addr m, addr v, addr g32, addr g16, addr p_out, addr m_out, addr v_out,
-                  addr p16_out, int64_t call_n=0, bint mb16=False):
+                  addr p16_out, int64_t call_n=0, int mfmt=0):
     cdef socx_buffers b
-    _fill(&b, n, p, m, v, g32, g16, p_out, m_out, v_out, p16_out, mb16)
+    _fill(&b, n, p, m, v, g32, g16, p_out, m_out, v_out, p16_out, mfmt)
     return socx_stream_choice(&b, call_n)
 
 

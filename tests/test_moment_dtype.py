@@ -67,14 +67,15 @@ def bucket_layout(opt, model) -> dict[str, tuple[int, int]]:
     return {name_of[id(p)]: (b.index, b.offsets[i]) for b in opt.buckets for i, p in enumerate(b.params)}
 
 
-def train_pair(monkeypatch, runtime="cpu", dtype=torch.float32, steps=4, accumulate=1, clip=None, options=None):
+def train_pair(monkeypatch, runtime="cpu", dtype=torch.float32, steps=4, accumulate=1, clip=None, options=None,
+               moments=torch.bfloat16, reference=QuantisedAdamW):
     if runtime == "emulated":
         use_emulated_device(monkeypatch)
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = build("tiny", n_layers=2).to(dtype)
     ref_model = copy.deepcopy(model)
-    opt = socompile.AdamW(model.parameters(), **HYP, moment_dtype=torch.bfloat16, max_grad_norm=clip,
+    opt = socompile.AdamW(model.parameters(), **HYP, moment_dtype=moments, max_grad_norm=clip,
                           grad_accumulation_steps=accumulate)
     backend = socompile.SuperOffload({"compute": "eager", "gpu_buckets": 0, "bucket_size": "64KB",
                                       **(options or {})})
@@ -89,7 +90,7 @@ def train_pair(monkeypatch, runtime="cpu", dtype=torch.float32, steps=4, accumul
         opt.step()
         opt.zero_grad()
         if ref is None:   # the compiled graph laid the buckets out at its first step
-            ref = QuantisedAdamW(ref_model, bucket_layout(opt, model))
+            ref = reference(ref_model, bucket_layout(opt, model))
         scale = 1.0
         if clip is not None:
             assert opt.last_grad_norm == pytest.approx(ref.grad_norm(), rel=1e-12)   # summation order only
@@ -143,7 +144,8 @@ def test_a_clipped_speculative_step_is_redone_with_the_same_rounding(monkeypatch
                                             ("emulated", torch.bfloat16)])
 def test_the_ledgers_count_two_byte_moments_as_the_plan_does(monkeypatch, runtime, dtype):
     opt, _, _, _, ctx, _ = train_pair(monkeypatch, runtime, dtype, steps=2, options={"cast_site": "cpu"})
-    layout = HostLayout(pins=runtime != "cpu", shared_master=opt.host_master == "shared", moment_bytes=2)
+    layout = HostLayout(pins=runtime != "cpu", shared_master=opt.host_master == "shared",
+                        moment_dtype="bfloat16")
     planned = runtime_host_bytes(ctx.plan, ctx.ir, layout)
     assert opt.host_memory()["by_purpose"] == planned
     # the moments are 4 B per element of the bucket (2 x bf16), half the fp32 ones
@@ -180,8 +182,8 @@ def test_state_dict_is_torchs_fp32_layout_and_loads_into_any_moment_dtype(monkey
 
 def test_moment_dtype_errors_name_the_cause_and_the_fix():
     params = [torch.nn.Parameter(torch.zeros(4))]
-    with pytest.raises(NotImplementedError, match="8-bit.*not implemented yet.*torch.bfloat16"):
-        socompile.AdamW(params, moment_dtype="int8")
+    with pytest.raises(ValueError, match="rollback='inverse'.*cannot undo int8 moments.*moment_dtype='int8'"):
+        socompile.AdamW(params, moment_dtype="int8", rollback="inverse")
     with pytest.raises(TypeError, match="moment_dtype must be torch.float32.*or torch.bfloat16, got torch.float16"):
         socompile.AdamW(params, moment_dtype=torch.float16)
     with pytest.raises(ValueError, match="rollback='inverse'.*cannot undo bf16 moments.*rollback='pingpong'"):

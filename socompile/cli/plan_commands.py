@@ -40,9 +40,9 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--activations", default=None,
                         choices=("auto", *ACTIVATION_CHOICES),
                         help="per-layer activation policy (default auto: keep what fits, offload or recompute the rest)")
-    parser.add_argument("--moment-dtype", default=None, choices=("float32", "bfloat16"),
+    parser.add_argument("--moment-dtype", default=None, choices=("float32", "bfloat16", "int8"),
                         help="format of the CPU buckets' Adam moments (socompile.AdamW's moment_dtype; default "
-                             "float32): bfloat16 holds 4 B of moments per parameter instead of 8")
+                             "float32): bfloat16 holds 4 B of moments per parameter instead of 8, int8 2.5 B")
     parser.add_argument("--dp", type=positive_int, default=1, help="data-parallel degree (ZeRO over dp x sp ranks)")
     parser.add_argument("--sp", type=positive_int, default=1, help="Ulysses sequence-parallel degree (--seq is the whole "
                         "sequence; each rank holds seq/sp tokens)")

@@ -17,6 +17,8 @@ import dataclasses
 import json
 import pathlib
 
+from ..moment_format import moments_streamed
+
 MEASURED_FILE = pathlib.Path(__file__).resolve().parent / "cpu_adam_measured.json"
 
 
@@ -55,13 +57,14 @@ def load_measured(path: str | pathlib.Path = MEASURED_FILE) -> MeasuredAdam:
 MEASURED = load_measured()
 
 
-def adam_kernel_bytes(elements: float, grad_bytes: int, writes_low_copy: bool, moment_bytes: int = 4
+def adam_kernel_bytes(elements: float, grad_bytes: int, writes_low_copy: bool, moment_bytes: float = 4
                       ) -> tuple[float, float]:
     """(read, written) bytes of one fused AdamW pass over ``elements``: the fp32 master, the gradient and both
     moments read; master and moments written, and the 2-byte weight copy where the kernel writes it. The one
     formula the simulator's CPU task, the calibration and the runtime's host-work ledger all use."""
-    read = elements * (4 + grad_bytes + 2 * moment_bytes)
-    written = elements * (4 + 2 * moment_bytes + (2 if writes_low_copy else 0))
+    moments = moments_streamed(moment_bytes, elements)   # int8 blocks: whole blocks with their scales
+    read = elements * (4 + grad_bytes) + moments
+    written = elements * (4 + (2 if writes_low_copy else 0)) + moments
     return read, written
 
 

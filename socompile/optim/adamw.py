@@ -259,8 +259,9 @@ class AdamW(torch.optim.Optimizer):
                 raise ValueError(
                     f"socompile.AdamW(moment_dtype={self.moment_dtype}): the compiled plan undoes bucket "
                     f"{bucket.index}'s speculative step with the algebraic inverse (rollback 'inverse', chosen to "
-                    f"fit host memory), which bf16 moments cannot use (they are rounded stochastically: no inverse "
-                    f"gives them back). Use fp32 moments for this model, or plan for a host with more memory.")
+                    f"fit host memory), which {'int8' if self.moment_dtype == 'int8' else 'bf16'} moments cannot use "
+                    f"(they are rounded stochastically: no inverse gives them back). Use fp32 moments for this model, "
+                    f"or plan for a host with more memory.")
             bucket.use_rollback(mode)
         for runtime in getattr(claim, "offload_runtimes", ()):   # the graph's device staging of its uploads
             runtime.attach_buckets()

@@ -127,5 +127,6 @@ def alias_state(bucket: FlatBucket, i: int, state: dict) -> None:
         state.pop("exp_avg", None)
         state.pop("exp_avg_sq", None)
     else:
-        state["exp_avg"] = bucket.view(bucket.exp_avg, i)
-        state["exp_avg_sq"] = bucket.view(bucket.exp_avg_sq, i)
+        # int8 moments: the parameter's packed blocks (socompile/moment_format.py); state_dict() decodes them
+        state["exp_avg"] = bucket.moment_part(bucket.exp_avg, i)
+        state["exp_avg_sq"] = bucket.moment_part(bucket.exp_avg_sq, i)

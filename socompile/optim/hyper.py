@@ -101,21 +101,24 @@ def hyper_snapshot(param_groups: list[dict]) -> list[dict]:
     return [{k: _frozen(v) for k, v in group.items() if k != "params"} for group in param_groups]
 
 
-MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+MOMENT_DTYPES = (torch.float32, torch.bfloat16, "int8")
 
 
-def check_moment_dtype(moment_dtype, rollback: str) -> torch.dtype:
-    """The format of the CPU buckets' exp_avg / exp_avg_sq: fp32 (torch's), or bf16 (stochastically rounded
-    by the kernel: 8 bytes fewer per parameter read and written each step, 4 fewer held; docs/kernel.md)."""
-    if isinstance(moment_dtype, str) and moment_dtype.lower() in ("int8", "uint8"):
-        raise NotImplementedError(
-            f"socompile.AdamW(moment_dtype={moment_dtype!r}): 8-bit block-quantised moments are not implemented "
-            f"yet; use moment_dtype=torch.bfloat16 (4 B of moments per parameter instead of 8) or torch.float32")
+def check_moment_dtype(moment_dtype, rollback: str):
+    """The format of the CPU buckets' exp_avg / exp_avg_sq: torch.float32 (torch's), torch.bfloat16 (stochastically
+    rounded by the kernel: 8 bytes fewer per parameter read and written each step, 4 fewer held) or "int8"
+    (blocks of 16 one-byte codes and an fp32 scale, stochastically rounded: 11 bytes fewer moved, 5.5 fewer held;
+    docs/kernel.md)."""
+    if isinstance(moment_dtype, str):
+        moment_dtype = moment_dtype.lower()
+    elif moment_dtype == torch.int8:
+        moment_dtype = "int8"
     if moment_dtype not in MOMENT_DTYPES:
-        raise TypeError(f"socompile.AdamW: moment_dtype must be torch.float32 (the default, torch's) or "
+        raise TypeError(f"socompile.AdamW: moment_dtype must be torch.float32 (the default, torch's), 'int8' or "
                         f"torch.bfloat16, got {moment_dtype!r}")
     if moment_dtype != torch.float32 and rollback == "inverse":
-        raise ValueError("socompile.AdamW: rollback='inverse' (the algebraic undo of an in-place step) cannot undo "
-                         "bf16 moments, which the kernel rounds stochastically; use rollback='pingpong' (the "
-                         "default) with moment_dtype=torch.bfloat16")
+        label, shown = ("int8", "'int8'") if moment_dtype == "int8" else ("bf16", "torch.bfloat16")
+        raise ValueError(f"socompile.AdamW: rollback='inverse' (the algebraic undo of an in-place step) cannot undo "
+                         f"{label} moments, which the kernel rounds stochastically; use rollback='pingpong' "
+                         f"(the default) with moment_dtype={shown}")
     return moment_dtype

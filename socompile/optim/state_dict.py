@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..integrity import bad_values, is_step_count
-from ..runtime.flat_bucket import flat_real, real_dtype
+from ..runtime.cpu_adam import round_seed
+from ..runtime.flat_bucket import real_dtype
 from .bucket_layout import alias_state
 
 if TYPE_CHECKING:
@@ -124,11 +125,18 @@ def save(opt: "AdamW") -> dict:
             state["master"] = bucket.view(bucket.master, i)   # the fp32 weights the bf16 ones round
     out = torch.optim.Optimizer.state_dict(opt)
     out["param_groups"] = [torch_param_group(group) for group in out["param_groups"]]
-    # bf16 moments (moment_dtype): torch's layout is fp32, which torch.optim.AdamW loads; their fp32 values
-    # are exact. The entries are fresh dicts: opt.state keeps its views of the live bf16 buffers.
-    if opt.moment_dtype != torch.float32:   # a float64 bucket keeps float64 moments: only bf16 ones convert
-        out["state"] = {k: {key: t.float() if key in ("exp_avg", "exp_avg_sq") and t.dtype == torch.bfloat16 else t
-                            for key, t in entry.items()} for k, entry in out["state"].items()}
+    # bf16 and int8 moments (moment_dtype): torch's layout is fp32, which torch.optim.AdamW loads (bf16 values
+    # are exact in fp32; int8 blocks decode to the values the next step reads). The entries are fresh dicts:
+    # opt.state keeps its views of the live buffers.
+    if opt.moment_dtype != torch.float32:   # a float64 bucket keeps float64 moments: only bf16 and int8 convert
+        index = {id(p): k for k, p in enumerate(p for group in opt.param_groups for p in group["params"])}
+        decoded = {}
+        for bucket in opt.buckets:
+            for i, p in enumerate(bucket.params):
+                if index.get(id(p)) in out["state"] and bucket.moments_rounded:
+                    decoded[index[id(p)]] = bucket.moment_values(i)
+        out["state"] = {k: dict(entry, **dict(zip(("exp_avg", "exp_avg_sq"), decoded[k]))) if k in decoded
+                        else entry for k, entry in out["state"].items()}
     return out
 
 
@@ -174,18 +182,17 @@ def load(opt: "AdamW", state_dict, checked: bool = False) -> None:
         for i, p in enumerate(bucket.params):
             state = opt.state.get(p)
             if not state or "step" not in state:
-                bucket.state_part(bucket.exp_avg, i).zero_()
-                bucket.state_part(bucket.exp_avg_sq, i).zero_()
+                bucket.moment_part(bucket.exp_avg, i).zero_()
+                bucket.moment_part(bucket.exp_avg_sq, i).zero_()
                 bucket.steps[i] = 0
                 opt.state.pop(p, None)
                 continue
-            held = bucket.held(i)   # sharded: copy this rank's part of the whole moments
-            for key, buffer in (("exp_avg", bucket.exp_avg), ("exp_avg_sq", bucket.exp_avg_sq)):
-                if held is not None:   # flat and real (complex parameters: their real view), as the bucket
-                    flat_real(bucket.state_part(buffer, i)).copy_(
-                        flat_real(raw.get(id(p), state)[key])[held[0]:held[1]])
+            saved = raw.get(id(p), state)
+            steps = int(float(state["step"]))
+            bucket.set_moments(i, saved["exp_avg"], saved["exp_avg_sq"],
+                               seed=round_seed(bucket.index, steps, bucket.offsets[i]))
             alias_state(bucket, i, state)
-            bucket.steps[i] = int(float(state["step"]))
+            bucket.steps[i] = steps
             state["step"] = torch.tensor(float(bucket.steps[i]), dtype=torch.float32)
     opt.upload_buckets(opt.buckets)
     opt.wait_uploads()

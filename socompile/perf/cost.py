@@ -191,7 +191,7 @@ class CostModel:
         return self.hw.cpu_bucket_overhead + tensors * self.hw.cpu_grad_overhead
 
     def cpu_adam_time(self, numel, grad_dtype_bytes: int = 4, writes_bf16_copy: bool = False,
-                      bandwidth_scale: float = 1.0, tensors: int = 0, moment_bytes: int = 4):
+                      bandwidth_scale: float = 1.0, tensors: int = 0, moment_bytes: float = 4):
         """Seconds of one CPU AdamW step over ``numel`` params of ``tensors`` gradient tensors (memory-bound:
         bytes per param / bandwidth), plus the runtime's work around the bucket's kernel (bucket_overhead)."""
         streamed = sum(adam_kernel_bytes(numel, grad_dtype_bytes, writes_bf16_copy, moment_bytes))   # as booked

@@ -458,9 +458,10 @@ def recompute_time(lc, choice: str) -> float:
     return 0.0
 
 
-def plan_moment_bytes(plan: Plan) -> int:
-    """Bytes per Adam moment element of the plan's CPU buckets: 2 for bf16 moments, else 4."""
-    return int(dict(plan.predicted).get("moment_bytes", 4))
+def plan_moment_bytes(plan: Plan) -> float:
+    """Bytes per Adam moment element of the plan's CPU buckets: 2 for bf16 moments, 1.25 for int8 blocks (with
+    their scales), else 4."""
+    return dict(plan.predicted).get("moment_bytes", 4)
 
 
 def plan_grad_dtype_bytes(plan: Plan) -> int:

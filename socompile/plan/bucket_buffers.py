@@ -23,6 +23,7 @@ import dataclasses
 
 from ..ledger_names import ACCUMULATION, LANDING, MASTER, MOMENTS, SPARES, STAGING
 from .bucketize import chunk_elements
+from ..moment_format import moment_buffer, quantised
 
 # The names of a bucket's buffers (what the runtime asks for), each booked under a ledger purpose.
 MASTER_BUFFER = "master"
@@ -37,7 +38,7 @@ ACCUMULATION_BUFFER = "accumulation stage"     # later micro-batches land here, 
 WEIGHTS_BUFFER = "weights"                     # the parameters' own flat buffer, on their device
 
 HALF = ("bfloat16", "float16")
-_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +51,8 @@ class BucketStorage:
     master for a stationary bucket ("device": the fp32 master itself goes up). ``pins``: a CUDA runtime's copy
     streams read and write the host buffers asynchronously, so those that cross are pinned. ``accumulation``:
     micro-batches after the first land in a stage (on a CUDA runtime). ``moment_dtype``: of exp_avg /
-    exp_avg_sq where the CPU kernel steps fp32 state. ``spares``: the bucket keeps ping-pong spares for exact
+    exp_avg_sq where the CPU kernel steps fp32 state ("float32", "bfloat16" or "int8": socompile/moment_format.py lays
+    out each). ``spares``: the bucket keeps ping-pong spares for exact
     rollback."""
     site: str = "cpu"
     separate: bool = False
@@ -151,13 +153,14 @@ def bucket_buffers(storage: BucketStorage, numel: int, rank: int = 0, world: int
     def host(name, purpose, dtype, elements, pinned, part):
         return BufferSpec(name, purpose, dtype, elements, pinned, "host", part)
     state_part = "whole" if cut == "whole" else cut
+    moment_dtype, moment_elements = moment_buffer(moments, window)
     out = [host(MASTER_BUFFER, MASTER, state, master_elements, master_pinned, master_part),
-           host(EXP_AVG_BUFFER, MOMENTS, moments, window, False, state_part),
-           host(EXP_AVG_SQ_BUFFER, MOMENTS, moments, window, False, state_part)]
+           host(EXP_AVG_BUFFER, MOMENTS, moment_dtype, moment_elements, False, state_part),
+           host(EXP_AVG_SQ_BUFFER, MOMENTS, moment_dtype, moment_elements, False, state_part)]
     if s.spares:   # the spare master becomes the master at a commit: pinned like it, when whole
         out += [host(SPARE_MASTER_BUFFER, SPARES, state, window, master_pinned and cut == "whole", state_part),
-                host(SPARE_EXP_AVG_BUFFER, SPARES, moments, window, False, state_part),
-                host(SPARE_EXP_AVG_SQ_BUFFER, SPARES, moments, window, False, state_part)]
+                host(SPARE_EXP_AVG_BUFFER, SPARES, moment_dtype, moment_elements, False, state_part),
+                host(SPARE_EXP_AVG_SQ_BUFFER, SPARES, moment_dtype, moment_elements, False, state_part)]
     if not s.separate:    # the parameters' fp32 .grad are views of it
         landing = state
     elif cut == "chunk":  # the device reduces in the weights' dtype; bf16 lands as bf16, fp16 as fp32
@@ -186,7 +189,8 @@ def _device_stepped(s: BucketStorage, numel: int, window: int, cut: str) -> tupl
     2-byte (or fp64) weight buffer is cast from the master after each step. No spare: a device-stepped bucket
     is stepped once its step is validated, never speculatively."""
     state = s.state_dtype
-    moments = state if s.separate or state != "float32" else s.moment_dtype
+    # torch's ops step it: int8 blocks are the CPU kernel's format only, so such a bucket keeps fp32 moments
+    moments = state if s.separate or state != "float32" or quantised(s.moment_dtype) else s.moment_dtype
 
     def dev(name, purpose, dtype, elements=numel, part="whole"):
         return BufferSpec(name, purpose, dtype, elements, False, "device", part)

@@ -109,13 +109,13 @@ def kernel_elements(sizes: list[int], align: int = ALIGN) -> int:
 
 def bucket_host_work(b, sizes: list[int], *, shared_master: bool, weight_bytes: int, validating: bool,
                      speculation: str = "on", micro_batches: int = 1, host_is_device: bool = False,
-                     moment_bytes: int = 4, rank: int = 0, world: int = 1,
+                     moment_bytes: float = 4, rank: int = 0, world: int = 1,
                      weight_dtype: str = "") -> dict[str, tuple[int, int]]:
     """{purpose: (read, written)} of CPU bucket ``b`` (a BucketPlan; ``sizes``: its parameters' elements) in one
     step. ``speculation``: "on" (stepped as its gradients arrive; a validation that does not clip commits),
     "off" (stepped after backward, or held back by a predicted or certain clip: validation first reads the
     norm), "redo" (speculated, then clipped: stepped again). ``host_is_device``: the CPU build.
-    ``moment_bytes``: 4 (fp32 moments) or 2 (bf16). ``rank`` of ``world``: a ZeRO rank (module doc);
+    ``moment_bytes``: 4 (fp32 moments), 2 (bf16) or 1.25 (int8 blocks). ``rank`` of ``world``: a ZeRO rank (module doc);
     ``weight_dtype``: the parameters' dtype name (default: bfloat16, float32 or float64 by ``weight_bytes``)."""
     if b.optimizer_site != "cpu":
         return {}

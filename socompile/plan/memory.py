@@ -40,6 +40,7 @@ import sympy
 from ..dtypes import dtype_bytes, dtype_name
 from ..ledger_names import ACTIVATIONS, HOST_PURPOSES
 from .bucket_buffers import WEIGHTS_BUFFER, BucketStorage, bucket_buffers, host_entries
+from ..moment_format import moment_bytes_per_element
 from .bucketize import ALIGN, chunk_elements, padded_numel
 from .plan import BucketPlan
 from .step_timeline import StepPeak, flow_bytes_of
@@ -119,8 +120,13 @@ class HostLayout:
     pins: bool = True
     shared_master: bool = False
     accumulation: bool = False
-    moment_bytes: int = 4   # socompile.AdamW(moment_dtype=...): 4 for fp32 moments, 2 for bf16 (an optimizer argument)
+    moment_dtype: str = "float32"   # socompile.AdamW(moment_dtype=...), an optimizer argument (moment_format.py)
     spares: bool = True     # speculation on: a bucket with exact rollback makes its ping-pong spare (off: never)
+
+    @property
+    def moment_bytes(self) -> float:
+        """Bytes of one moment of one parameter: 4 (fp32), 2 (bf16), 1.25 (int8 blocks with their scales)."""
+        return moment_bytes_per_element(self.moment_dtype)
 
 
 def bucket_storage(b: BucketPlan, weight_dtype: str, layout: HostLayout = HostLayout()) -> BucketStorage:
@@ -128,7 +134,7 @@ def bucket_storage(b: BucketPlan, weight_dtype: str, layout: HostLayout = HostLa
     return BucketStorage(site=b.optimizer_site, separate=not layout.shared_master, flow=b.weight_mode == "flow",
                          weight_dtype=weight_dtype, link_dtype=b.link_dtype, cast_site=b.cast_site,
                          pins=layout.pins, accumulation=layout.accumulation,
-                         moment_dtype="bfloat16" if layout.moment_bytes == 2 else "float32",
+                         moment_dtype=layout.moment_dtype,
                          spares=b.rollback == "exact" and layout.spares)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..dtypes import dtype_name
+from ..moment_format import moment_bytes_per_element
 from ..options import Options
 from ..perf.simulate import simulate
 from .plan import Plan
@@ -55,8 +56,10 @@ def _weight_dtype_prediction(ctx: _Context) -> tuple:
 
 
 def _moment_prediction(ctx: _Context) -> tuple:
-    """("moment_bytes", 2) for bf16 moments (plan/memory.py and the simulator read it); nothing for fp32."""
-    return (("moment_bytes", 2),) if ctx.options.moment_dtype == "bfloat16" else ()
+    """("moment_bytes", 2) for bf16 moments, 1.25 for int8 blocks (plan/memory.py and the simulator read it);
+    nothing for fp32."""
+    moments = ctx.options.moment_dtype or "float32"
+    return (("moment_bytes", moment_bytes_per_element(moments)),) if moments != "float32" else ()
 
 
 def _plan_of(ctx: _Context, buckets, recompute, predicted, decisions=(), unoptimized=()) -> Plan:

@@ -27,11 +27,11 @@ def host_layout(options: Options, weight_bytes: int) -> HostLayout:
     moments' bytes follow ``options.moment_dtype`` and a shared master ``options.host_master`` (the owning
     optimizer's, pipeline.planning_options; without one, fp32 CPU parameters share it). Without speculation no
     bucket step is taken before validation, so none makes a ping-pong spare."""
-    moment_bytes = 2 if options.moment_dtype == "bfloat16" else 4
+    moments = options.moment_dtype or "float32"
     if options.runtime == "cpu":
         shared = options.host_master == "shared" if options.host_master else weight_bytes == 4
-        return HostLayout(pins=False, shared_master=shared, moment_bytes=moment_bytes, spares=options.speculate)
-    return HostLayout(moment_bytes=moment_bytes, spares=options.speculate)
+        return HostLayout(pins=False, shared_master=shared, moment_dtype=moments, spares=options.speculate)
+    return HostLayout(moment_dtype=moments, spares=options.speculate)
 
 
 def rollback_modes(ctx: _Context, buckets, decisions: list[str]):
@@ -41,12 +41,14 @@ def rollback_modes(ctx: _Context, buckets, decisions: list[str]):
     total, pinned, parts = _host(ctx, buckets)
     if total <= limit:
         return buckets, total, pinned, parts
-    if ctx.options.moment_dtype == "bfloat16":   # rounded moments have no inverse: ping-pong or nothing
+    if ctx.options.moment_dtype in ("bfloat16", "int8") and ctx.options.speculate:   # no inverse: ping-pong or nothing
         raise PlanError(f"host memory: the plan needs {human_bytes(total)} of host memory with ping-pong rollback "
                         f"but {ctx.hw.name} has {human_bytes(ctx.hw.host_memory)} (usable {human_bytes(limit)}), and "
-                        f"bf16 moments cannot use the algebraic inverse that would drop the spares (they are "
+                        f"{'int8' if ctx.options.moment_dtype == 'int8' else 'bf16'} moments cannot use the "
+                        f"algebraic inverse that would drop the spares (they are "
                         f"rounded stochastically); use fp32 moments (rollback 'inverse' then fits more), keep more "
-                        f"buckets on the GPU, or use a machine with more host memory")
+                        f"buckets on the GPU, speculate=False (no spares: each bucket is stepped once validated), or "
+                        f"use a machine with more host memory")
     # Drop ping-pong copies, largest-numel CPU buckets first (ties: index), until host memory fits.
     out = list(buckets)
     for b in sorted((b for b in buckets if b.optimizer_site == "cpu"), key=lambda b: (-b.numel, b.index)):

@@ -12,6 +12,7 @@ import re
 from ..hardware.cpu_adam import adam_kernel_bytes
 from ..plan.host_waits import FIRST_READ, SETTLED
 from ..plan.plan import BucketPlan, Plan
+from ..moment_format import QBLOCK, format_of
 from ..units import human_bytes
 
 
@@ -166,10 +167,10 @@ def _summary(plan: Plan, pred: dict) -> list[str]:
         out.append(f"host memory: {human_bytes(pred['host_bytes'])}, pinned {human_bytes(pred['host_pinned_bytes'])}"
                    f"  (" + ", ".join(f"{k} {human_bytes(v)}" for k, v in pred.get("host_parts", ()) if v) + ")")
         if pred.get("moment_bytes", 4) != 4:   # the default (fp32 moments) says nothing new
-            streamed = int(sum(adam_kernel_bytes(1, 4, False, pred["moment_bytes"])))
-            out.append(f"Adam moments: bfloat16, {2 * pred['moment_bytes']} B per CPU-stepped parameter (fp32: 8); "
-                       f"CPU Adam reads and writes {streamed} B per parameter with fp32 gradients (fp32 moments: "
-                       f"{int(sum(adam_kernel_bytes(1, 4, False)))})")
+            streamed = sum(adam_kernel_bytes(QBLOCK, 4, False, pred["moment_bytes"])) / QBLOCK   # whole int8 blocks
+            out.append(f"Adam moments: {format_of(pred['moment_bytes'])}, {2 * pred['moment_bytes']:g} B per "
+                       f"CPU-stepped parameter (fp32: 8); CPU Adam reads and writes {streamed:g} B per parameter "
+                       f"with fp32 gradients (fp32 moments: {int(sum(adam_kernel_bytes(1, 4, False)))})")
     if pred.get("link_bytes_per_step"):
         out.append(link_line(pred["link_bytes_per_step"]))
     if pred.get("host_work_bytes_per_step"):

@@ -51,7 +51,7 @@ def _torch_ops(bucket: FlatBucket) -> bool:
 
 
 def round_seed(bucket_index: int, step: int, start: int) -> int:
-    """The seed of a run's stochastic rounding of bf16 moments. The kernel draws element i's bits from
+    """The seed of a run's stochastic rounding of bf16 or int8 moments. The kernel draws element i's bits from
     hash(seed + i * 0x9E3779B9); adding ``start`` steps of that stride makes them a function of (bucket, step,
     bucket element) alone, so a bucket cut into other runs (a ZeRO window, a parameter without a gradient)
     rounds each element alike. A step redone after a clip draws the same bits: its rounding is repeatable."""
@@ -92,18 +92,19 @@ def step_bucket(bucket: FlatBucket, groups: list[dict], grad_scale: float = 1.0,
             own = bucket.host(start, end)    # master and grad too, under device-side ZeRO
             out = {}
             if outputs is not None:
-                out = dict(param_out=outputs[0][loc], exp_avg_out=outputs[1][loc], exp_avg_sq_out=outputs[2][loc])
+                out = dict(param_out=outputs[0][loc], exp_avg_out=bucket.moment_range(outputs[1], loc),
+                           exp_avg_sq_out=bucket.moment_range(outputs[2], loc))
             if low is not None:
                 out["param_bf16_out"] = low[start:end]
             if bucket.moments_rounded:
                 out["round_seed"] = round_seed(bucket.index, step, start)
-            s, bad = kernel.adam_step(bucket.master[own], bucket.grad[own], bucket.exp_avg[loc],
-                                      bucket.exp_avg_sq[loc], grad_scale=grad_scale,
+            s, bad = kernel.adam_step(bucket.master[own], bucket.grad[own], bucket.moment_range(bucket.exp_avg, loc),
+                                      bucket.moment_range(bucket.exp_avg_sq, loc), grad_scale=grad_scale,
                                       **_hyper(groups[gi], step), **out)
             total, nonfinite = total + s, nonfinite or bad
             bucket.host_work.add_work(ADAM_KERNEL, adam_kernel_bytes(end - start, bucket.grad.element_size(),
                                                                      low is not None,
-                                                                     moment_bytes=bucket.exp_avg.element_size()))
+                                                                     moment_bytes=bucket.moment_bytes))
     bucket.kernel_stepped(into_spare, wrote_low=low is not None)
     return total, nonfinite
 

@@ -43,6 +43,7 @@ from ..plan.bucket_buffers import (ACCUMULATION_BUFFER, EXP_AVG_BUFFER, EXP_AVG_
                                    SPARE_MASTER_BUFFER, WEIGHTS_BUFFER, BucketStorage, BufferSpec, bucket_buffers,
                                    shard_layout, shard_window)
 from ..plan.bucketize import ALIGN   # one layout fact for planner and runtime
+from ..moment_format import QBLOCK, byte_range, moment_bytes_per_element
 from .host_master import HALF_WEIGHTS, HostMasterCopies, flat_real
 from ..plan.host_work import SPARE_COPY, copy_bytes
 from .traffic import HostBlockLedger, HostWorkLedger, TrafficLedger
@@ -157,9 +158,9 @@ class FlatBucket(HostMasterCopies):
             self.state_lo = self.window[0]
         self.exp_avg = self.make_buffer(EXP_AVG_BUFFER)
         self.exp_avg_sq = self.make_buffer(EXP_AVG_SQ_BUFFER)
-        # bf16 where asked for and the CPU kernel steps fp32 host state (it rounds them stochastically); a
-        # device-stepped or float64 bucket keeps its state dtype (bucket_buffers)
-        self.moment_dtype = self.exp_avg.dtype
+        # bf16 or int8 blocks where asked for and the CPU kernel steps fp32 host state (it rounds them
+        # stochastically); a device-stepped or float64 bucket keeps its state dtype (bucket_buffers)
+        self.moment_format = "int8" if self.exp_avg.dtype == torch.uint8 else _dtype_name(self.exp_avg.dtype)
         self.steps = [0] * len(params)
         self.has_grad = [False] * len(params)
         self.arrivals = 0          # backward passes that delivered this bucket's gradients since the last step
@@ -267,13 +268,61 @@ class FlatBucket(HostMasterCopies):
 
     @property
     def moments_rounded(self) -> bool:
-        """The moments are stored in bf16 (stochastically rounded at each step): no algebraic inverse."""
-        return self.moment_dtype != self.state_dtype
+        """The moments are stored in bf16 or int8 blocks (stochastically rounded at each step): no algebraic
+        inverse."""
+        return self.moment_format != _dtype_name(self.state_dtype)
+
+    @property
+    def moment_bytes(self) -> float:
+        """Bytes one moment of one element takes (socompile/moment_format.py): what the kernel reads and writes."""
+        return moment_bytes_per_element(self.moment_format)
+
+    def moment_range(self, buffer: torch.Tensor, elements: slice) -> torch.Tensor:
+        """The part of a moment buffer (exp_avg, exp_avg_sq or their spares) holding state ``elements`` (a slice
+        from ``local``): int8 blocks are packed (socompile/moment_format.py), the others one element each."""
+        return buffer[slice(*byte_range(self.moment_format, elements.start, elements.stop))]
+
+    def moment_part(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter i's part of a moment buffer: ``state_part`` for fp32 and bf16 moments; int8 blocks are its
+        packed bytes, flat (a bucket with int8 moments is never sharded)."""
+        if self.moment_format != "int8":
+            return self.state_part(buffer, i)
+        return self.moment_range(buffer, self.segment(i))
+
+    def moment_values(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Parameter i's current (exp_avg, exp_avg_sq) in torch's layout: fp32 shaped like the parameter (new
+        tensors for bf16 and int8 moments; views of the buffers otherwise)."""
+        m, v = self.moment_part(self.exp_avg, i), self.moment_part(self.exp_avg_sq, i)
+        if self.moment_format == "int8":
+            from .int8_moments import decode
+            shape = self.params[i].shape
+            return decode(m, self.sizes[i], signed=True).view(shape), decode(v, self.sizes[i], signed=False).view(shape)
+        return (m.float(), v.float()) if m.dtype == torch.bfloat16 else (m, v)
+
+    def set_moments(self, i: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, seed: int) -> None:
+        """Write parameter i's moments from torch's fp32 layout (state_dict loading): int8 blocks are encoded
+        with the kernel's stochastic rounding drawn from ``seed``; the others are copied (cast)."""
+        if self.moment_format == "int8":
+            from .int8_moments import encode_moments
+            m, v = encode_moments(exp_avg.reshape(-1).float(), exp_avg_sq.reshape(-1).float(), seed)
+            self.moment_part(self.exp_avg, i).copy_(m)
+            self.moment_part(self.exp_avg_sq, i).copy_(v)
+            return
+        held = self.held(i)   # sharded: copy this rank's part of the whole moments
+        for given, buffer in ((exp_avg, self.exp_avg), (exp_avg_sq, self.exp_avg_sq)):
+            if held is not None:   # flat and real (complex parameters: their real view), as the bucket
+                flat_real(self.state_part(buffer, i)).copy_(flat_real(given)[held[0]:held[1]])
+
+    @property
+    def state_elements(self) -> int:
+        """Elements the optimizer state covers: the bucket's, or this rank's window (int8 blocks are never
+        sharded, and their buffer holds bytes)."""
+        return self.numel if self.moment_format == "int8" else self.exp_avg.numel()
 
     @property
     def sharded(self) -> bool:
         """True when this rank keeps optimizer state for its window only (ZeRO with more than one rank)."""
-        return self.exp_avg.numel() != self.numel
+        return self.state_elements != self.numel
 
     def local(self, start: int, end: int) -> slice:
         """Bucket elements [start, end) (inside the state range) as a slice of the state buffers."""
@@ -286,7 +335,7 @@ class FlatBucket(HostMasterCopies):
 
     def held(self, i: int) -> tuple[int, int] | None:
         """Elements [a, b) of parameter i (flattened) whose optimizer state this bucket holds; None if none."""
-        lo, hi = self.state_lo, self.state_lo + self.exp_avg.numel()
+        lo, hi = self.state_lo, self.state_lo + self.state_elements
         start, end = max(self.offsets[i], lo), min(self.offsets[i] + self.sizes[i], hi)
         return (start - self.offsets[i], end - self.offsets[i]) if end > start else None
 
@@ -307,6 +356,12 @@ class FlatBucket(HostMasterCopies):
             return
         if self.mirror and self.master.device.type != "cpu":
             self._no_zero()
+        if self.moment_format == "int8":
+            raise NotImplementedError(
+                "ZeRO sharding (socompile.distributed.shard_optimizer) of an optimizer with int8 moments "
+                "(socompile.AdamW(moment_dtype='int8')) is not implemented: a rank's window of a bucket need not "
+                f"start at a {QBLOCK}-element quantisation block. Shard with moment_dtype=torch.bfloat16 (2 B per "
+                "moment) or torch.float32.")
         self.rank_world = (rank, world)
         if shard_layout(self.storage, world) == "chunk":   # master, gradients and state for the chunk; collectives
             narrow_to_device_shard(self, rank, world)      # on the device
@@ -395,8 +450,8 @@ class FlatBucket(HostMasterCopies):
 
     def _adopt_state(self, i: int, bucket: "FlatBucket", j: int) -> None:
         if not self.sharded and not bucket.sharded:
-            self.exp_avg[self.segment(i)].copy_(bucket.exp_avg[bucket.segment(j)])
-            self.exp_avg_sq[self.segment(i)].copy_(bucket.exp_avg_sq[bucket.segment(j)])
+            self.moment_part(self.exp_avg, i).copy_(bucket.moment_part(bucket.exp_avg, j))
+            self.moment_part(self.exp_avg_sq, i).copy_(bucket.moment_part(bucket.exp_avg_sq, j))
             return
         want, have = self.held(i), bucket.held(j)
         if want is None:
@@ -493,9 +548,9 @@ class FlatBucket(HostMasterCopies):
             if not present:
                 seg = self.segment(i)
                 spare_master[seg].copy_(self.master[seg])
-                spare_m[seg].copy_(self.exp_avg[seg])
-                spare_v[seg].copy_(self.exp_avg_sq[seg])
-                state_bytes = self.master.element_size() + 2 * self.exp_avg.element_size()   # master + moments
+                self.moment_range(spare_m, seg).copy_(self.moment_range(self.exp_avg, seg))
+                self.moment_range(spare_v, seg).copy_(self.moment_range(self.exp_avg_sq, seg))
+                state_bytes = self.master.element_size() + 2 * self.moment_bytes   # master + moments
                 self.host_work.add_work(SPARE_COPY, copy_bytes(self.sizes[i], state_bytes, state_bytes))
         self.spare = (self.master, self.exp_avg, self.exp_avg_sq)
         self.master, self.exp_avg, self.exp_avg_sq = spare_master, spare_m, spare_v

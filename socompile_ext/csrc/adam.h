@@ -51,7 +51,19 @@ typedef struct {
      * and block split gives the same bits. */
     const uint16_t *m16_in, *v16_in;
     uint16_t *m16_out, *v16_out;
-    uint32_t round_seed;
+    uint32_t round_seed;     /* shared by bf16 and int8 moments */
+    /* int8 moments: m8_in, v8_in, m8_out, v8_out all given and the fp32 and bf16 moment pointers NULL. One
+     * uint8 buffer per moment, 20 * ceil(n / 16) bytes: block j (elements 16j .. 16j+15 of the call) is the
+     * bytes [20j, 20j + 20), 16 one-byte codes then the block's fp32 scale (native byte order). exp_avg's codes
+     * are int8 (m = code * scale), exp_avg_sq's uint8 (w = code * scale, v = w * w); a short last block's codes
+     * past n are 0. The step decodes a block, computes in fp32 as always, and encodes it with stochastic
+     * rounding: scale_m = max|m| / 127, code = sign(m) trunc(min(|m| * ((1 / max|m|) * 127), 127) + u);
+     * scale_v = max w / 255 (w = sqrt(v)), code = trunc(min(w * ((1 / max w) * 255), 255) + u'), at least 1 where
+     * v > 0; u, u' the low and high 16 bits of socx_round_bits(round_seed, i) / 65536
+     * (socompile/runtime/int8_moments.py is the reference). A call starts at a block boundary; in place or
+     * ping-pong as the other formats. */
+    const uint8_t *m8_in, *v8_in;
+    uint8_t *m8_out, *v8_out;
 } socx_buffers;
 
 /* Result of a pass over a gradient: sum of squares (in double) and whether anything was non-finite. */
@@ -78,14 +90,15 @@ int socx_get_dynamic_schedule(void);
 /* Algebraic inverse of socx_adam_step on (p, m, v) in place, given the same gradient, hparams and step.
  * Computed in double; v clamped at >= 0. Not bitwise: see docs/kernel.md. Returns 0, or -1 when the
  * step cannot be inverted (beta1 == 0, beta2 == 0, or a decoupled decay factor of 0), -2 for bf16 moments
- * (stochastically rounded: no inverse exists; their exact rollback is ping-pong). */
+ * or int8 moments (stochastically rounded: no inverse exists; their exact rollback is ping-pong). */
 int socx_adam_rollback(const socx_buffers *b, const socx_hparams *h);
 
 /* Sum of squares and non-finite flag of a gradient (one of g_f32 / g_bf16 non-NULL). */
 socx_stats socx_grad_stats(const float *g_f32, const uint16_t *g_bf16, int64_t n);
 
 /* Memory-traffic ceiling: reads p, g, m, v and writes p_out, m_out, v_out (and p_bf16_out when given)
- * with the same store policy as the step, and no floating-point arithmetic. For benchmarks only. */
+ * with the same store policy as the step, and no floating-point arithmetic (bf16 and int8 moments: their
+ * bytes). For benchmarks only. */
 void socx_copy_ceiling(const socx_buffers *b);
 void socx_copy_ceiling_multi(const socx_buffers *bs, int count);  /* one parallel region, like the step's */
 
@@ -95,7 +108,8 @@ void socx_copy_ceiling_multi(const socx_buffers *bs, int count);  /* one paralle
  *   elements (default: half the last-level cache at 28 B per element, at least 128K), regular stores
  *   otherwise. A regular store to a line that is not in cache first reads the line (read-for-ownership).
  * SOCX_STORES_REGULAR: never stream. SOCX_STORES_STREAMING: stream every output at any size, in-place
- *   outputs included (for measurements). The policy changes no value, only how the bytes reach memory. */
+ *   outputs included (for measurements). The policy changes no value, only how the bytes reach memory.
+ * int8 moments use regular stores under every policy (their step and ceiling). */
 enum socx_store_policy { SOCX_STORES_AUTO = 0, SOCX_STORES_REGULAR = 1, SOCX_STORES_STREAMING = 2 };
 void socx_set_store_policy(int policy);
 int socx_get_store_policy(void);

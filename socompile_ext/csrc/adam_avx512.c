@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include "adam_internal.h"
+#include "adam_int8.h"
 
 #define AI static inline __attribute__((always_inline))
 
@@ -203,6 +204,10 @@ double socx_sumsq_avx512(const float *g32, const uint16_t *g16, int64_t i0, int6
 /* Ceiling: the step's loads and stores, integer moves only (v_out = v ^ (g & zero), zero known only at run
  * time so the gradient stream is really read). */
 void socx_copy_avx512(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1) {
+    if (b->m8_in) {  /* int8 moments: their bytes (adam_int8.h) */
+        socx_int8_copy(b, c, i0, i1);
+        return;
+    }
     const __m512i zero = _mm512_set1_epi32(c->use_l2);
     const int any_stream = c->stream || (b->p_bf16_out && c->stream_bf16);
     /* with streaming, the first vector covers only the head up to the 64-byte boundary (regular stores) */

@@ -185,6 +185,8 @@ static void store_choice(const socx_buffers *b, int64_t call_n, socx_consts *c) 
     int isa = socx_current_isa();
     /* scalar has no streaming store; NEON relies on the core's write-streaming detection */
     if (g_store_policy == SOCX_STORES_REGULAR || isa == SOCX_ISA_SCALAR || isa == SOCX_ISA_NEON) return;
+    /* int8 moments: regular stores only, in the step and the ceiling alike (adam_int8.h) */
+    if (b->m8_in) return;
     const int always = g_store_policy == SOCX_STORES_STREAMING;
     const int big = always || call_n >= socx_stream_threshold();
     const int m16 = b->m16_in != NULL;   /* bf16 moments: 2-byte outputs, 32-byte aligned per 16 elements */
@@ -436,7 +438,7 @@ void socx_copy_ceiling(const socx_buffers *b) { socx_copy_ceiling_multi(b, 1); }
 /* The inverse runs in double on the fp32 constants the step actually used, so what it undoes is the
  * step's own arithmetic; only the roundings of the step are lost (see docs/kernel.md for the bound). */
 int socx_adam_rollback(const socx_buffers *b, const socx_hparams *h) {
-    if (b->m16_in) return -2;   /* rounded moments (stochastically) cannot be inverted: ping-pong only */
+    if (b->m16_in || b->m8_in) return -2;   /* stochastically rounded moments cannot be inverted: ping-pong only */
     if (h->beta1 == 0.0 || h->beta2 == 0.0) return -1;
     if (b->n <= 0) return 0;
     socx_consts c;

@@ -181,6 +181,7 @@ static inline float socx_adam_elem(const socx_buffers *b, const socx_consts *c, 
 #define SOCX_DISPATCH_STEP(IMPL)                                                                                 \
     do {                                                                                                         \
         const int gb = b->g_bf16 != NULL, o16 = b->p_bf16_out != NULL, st = c->stream;                          \
+        if (b->m8_in) return socx_int8_step(b, c, i0, i1); /* adam_int8.h */                                    \
         if (b->m16_in) SOCX_STEP_CASE(IMPL, 1);                                                                  \
         SOCX_STEP_CASE(IMPL, 0);                                                                                 \
     } while (0)

@@ -7,6 +7,7 @@
 #include <arm_neon.h>
 
 #include "adam_internal.h"
+#include "adam_int8.h"
 
 #define AI static inline __attribute__((always_inline))
 
@@ -94,6 +95,7 @@ AI double step_impl(const socx_buffers *b, const socx_consts *c, int64_t i0, int
 }
 
 double socx_step_neon(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1) {
+    if (b->m8_in) return socx_int8_step(b, c, i0, i1);  /* adam_int8.h */
     const int gb = b->g_bf16 != NULL, o16 = b->p_bf16_out != NULL, mb = b->m16_in != NULL;
     if (mb) {
         if (!gb && !o16) return step_impl(b, c, i0, i1, 0, 0, 1);
@@ -123,6 +125,10 @@ double socx_sumsq_neon(const float *g32, const uint16_t *g16, int64_t i0, int64_
 }
 
 void socx_copy_neon(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1) {
+    if (b->m8_in) {  /* int8 moments: their bytes (adam_int8.h) */
+        socx_int8_copy(b, c, i0, i1);
+        return;
+    }
     const uint32x4_t zero = vdupq_n_u32((uint32_t)c->use_l2);
     int64_t i = i0;
     for (; i + 4 <= i1; i += 4) {

@@ -1,8 +1,10 @@
 /* Portable scalar path: the reference every vector path must match bit for bit, and the fallback on CPUs
  * without a vector path compiled in. Built with the baseline flags of the target. */
 #include "adam_internal.h"
+#include "adam_int8.h"
 
 double socx_step_scalar(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1) {
+    if (b->m8_in) return socx_int8_step(b, c, i0, i1);
     double lanes[16] = {0};
     socx_step_tail(b, c, i0, i0, i1, lanes);
     return socx_reduce16(lanes);
@@ -17,6 +19,10 @@ double socx_sumsq_scalar(const float *g32, const uint16_t *g16, int64_t i0, int6
 /* Ceiling pass: same loads and stores as the step, integer moves only. v_out is v XOR (g AND zero), with
  * zero = c->use_l2, which the dispatcher sets to 0 at run time: the compiler cannot drop the gradient load. */
 void socx_copy_scalar(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1) {
+    if (b->m8_in) {  /* int8 moments: their bytes (adam_int8.h) */
+        socx_int8_copy(b, c, i0, i1);
+        return;
+    }
     uint32_t zero = (uint32_t)c->use_l2;
     const uint32_t *p = (const uint32_t *)b->p_in, *m = (const uint32_t *)b->m_in, *v = (const uint32_t *)b->v_in;
     uint32_t *po = (uint32_t *)b->p_out, *mo = (uint32_t *)b->m_out, *vo = (uint32_t *)b->v_out;

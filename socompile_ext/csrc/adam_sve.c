@@ -7,6 +7,7 @@
  * uses even/odd double lanes whose number depends on the vector length, so it may differ from the
  * 16-lane paths in the last bits (csrc/tests/adam_harness.c checks it to 1e-12 relative). */
 #include "adam_internal.h"
+#include "adam_int8.h"
 
 #if SOCX_HAVE_SVE
 #pragma GCC target("+sve")
@@ -120,6 +121,10 @@ double socx_sumsq_sve(const float *g32, const uint16_t *g16, int64_t i0, int64_t
 }
 
 void socx_copy_sve(const socx_buffers *b, const socx_consts *c, int64_t i0, int64_t i1) {
+    if (b->m8_in) {  /* int8 moments: their bytes (adam_int8.h) */
+        socx_int8_copy(b, c, i0, i1);
+        return;
+    }
     const svuint32_t zero = svdup_n_u32((uint32_t)c->use_l2);
     if (b->m16_in) {  /* bf16 moments: the step's 2-byte loads and stores */
         for (int64_t i = i0; i < i1; i += (int64_t)svcntw()) {

@@ -6,7 +6,8 @@
  * (two NaNs count as equal: only NaN-ness is specified across instruction sets), the gradient sum of squares
  * bit for bit for the 16-lane paths and to 1e-12 relative for SVE, the non-finite flag exactly; and results
  * for 1 and 3 threads bit for bit; with fp32 and with bf16 moments (stochastically rounded: the same bits on
- * every path). Exit status 0 when everything agrees; prints one line per failure.
+ * every path), and with int8 block-quantised moments (adam_int8.h: codes bit for bit, scales as fp32 values).
+ * Exit status 0 when everything agrees; prints one line per failure.
  */
 #include <math.h>
 #include <stdio.h>
@@ -31,7 +32,10 @@ static int failures = 0;
 typedef struct {
     float *p, *m, *v, *g32, *po, *mo, *vo;
     uint16_t *g16, *p16, *m16, *v16;   /* m16, v16: the moments as bf16 (the bf16-moment inputs) */
+    uint8_t *m8, *v8;                  /* int8 moments: 20 * ceil(n / 16) bytes each (format in adam.h) */
 } bufs;
+
+static size_t i8_bytes(int64_t n) { return (size_t)((n + 15) / 16) * 20; }
 
 static void *alloc64(size_t bytes) {
     void *ptr = NULL;
@@ -44,10 +48,12 @@ static void alloc_bufs(bufs *b, int64_t n) {
     b->p = alloc64(f), b->m = alloc64(f), b->v = alloc64(f), b->g32 = alloc64(f);
     b->po = alloc64(f), b->mo = alloc64(f), b->vo = alloc64(f);
     b->g16 = alloc64(h), b->p16 = alloc64(h), b->m16 = alloc64(h), b->v16 = alloc64(h);
+    b->m8 = alloc64(i8_bytes(n)), b->v8 = alloc64(i8_bytes(n));
 }
 
 static void free_bufs(bufs *b) {
     free(b->p), free(b->m), free(b->v), free(b->g32), free(b->po), free(b->mo), free(b->vo), free(b->g16), free(b->p16), free(b->m16), free(b->v16);
+    free(b->m8), free(b->v8);
 }
 
 static void fill(bufs *b, int64_t n, int specials) {
@@ -59,6 +65,17 @@ static void fill(bufs *b, int64_t n, int specials) {
         b->g16[i] = socx_f32_to_bf16(normalish());
         b->m16[i] = socx_f32_to_bf16(b->m[i]);
         b->v16[i] = socx_f32_to_bf16(b->v[i]);
+    }
+    /* int8 moments: random codes (0 past n) and scales of the fp32 moments' size */
+    for (int64_t j = 0; j < (n + 15) / 16; j++) {
+        uint8_t *mb = b->m8 + 20 * j, *vb = b->v8 + 20 * j;
+        for (int k = 0; k < 16; k++) {
+            int in = 16 * j + k < n;
+            mb[k] = in ? (uint8_t)(next32() & 0xFF) : 0;
+            vb[k] = in ? (uint8_t)(next32() & 0xFF) : 0;
+        }
+        float sm = uniform() * 0.1f / 127.0f, sv = uniform() * 0.1f / 255.0f;
+        memcpy(mb + 16, &sm, 4), memcpy(vb + 16, &sv, 4);
     }
     if (specials && n > 8) {
         b->g32[n / 3] = NAN, b->g16[n / 3] = 0x7FC1;
@@ -81,22 +98,37 @@ static int same_bf16(uint16_t a, uint16_t b) {
 typedef struct {
     float *p, *m, *v;
     uint16_t *p16, *m16, *v16;
+    uint8_t *m8, *v8;
     socx_stats st, gs;
 } result;
 
-static result run(const bufs *in, int64_t n, int gbf16, int out16, int pingpong, int mb16, const socx_hparams *h) {
+/* mfmt: 0 fp32 moments, 1 bf16, 2 int8 */
+static result run(const bufs *in, int64_t n, int gbf16, int out16, int pingpong, int mfmt, const socx_hparams *h) {
+    const int mb16 = mfmt == 1;
+    const size_t qb = i8_bytes(n);
     result r;
     size_t f = (size_t)n * sizeof(float);
     r.p = alloc64(f), r.m = alloc64(f), r.v = alloc64(f), r.p16 = alloc64((size_t)n * 2 + 2);
     r.m16 = alloc64((size_t)n * 2 + 2), r.v16 = alloc64((size_t)n * 2 + 2);
     memset(r.m, 0, f), memset(r.v, 0, f), memset(r.m16, 0, (size_t)n * 2), memset(r.v16, 0, (size_t)n * 2);
+    r.m8 = alloc64(qb), r.v8 = alloc64(qb);
+    memset(r.m8, 0, qb), memset(r.v8, 0, qb);
     socx_buffers b;
     memset(&b, 0, sizeof b);
     b.n = n;
     b.g_f32 = gbf16 ? NULL : in->g32;
     b.g_bf16 = gbf16 ? in->g16 : NULL;
     b.p_bf16_out = out16 ? r.p16 : NULL;
-    if (mb16) {  /* bf16 moments, stochastically rounded with a seed of their own */
+    if (mfmt == 2) {  /* int8 moments, with a seed of their own */
+        b.round_seed = 0xBADC0DEu;
+        if (pingpong) {
+            b.p_in = in->p, b.m8_in = in->m8, b.v8_in = in->v8;
+        } else {
+            memcpy(r.p, in->p, f), memcpy(r.m8, in->m8, qb), memcpy(r.v8, in->v8, qb);
+            b.p_in = r.p, b.m8_in = r.m8, b.v8_in = r.v8;
+        }
+        b.p_out = r.p, b.m8_out = r.m8, b.v8_out = r.v8;
+    } else if (mb16) {  /* bf16 moments, stochastically rounded with a seed of their own */
         size_t hb = (size_t)n * 2;
         b.round_seed = 0xC0FFEEu;
         if (pingpong) {
@@ -119,7 +151,19 @@ static result run(const bufs *in, int64_t n, int gbf16, int out16, int pingpong,
     return r;
 }
 
-static void release(result *r) { free(r->p), free(r->m), free(r->v), free(r->p16), free(r->m16), free(r->v16); }
+static void release(result *r) {
+    free(r->p), free(r->m), free(r->v), free(r->p16), free(r->m16), free(r->v16), free(r->m8), free(r->v8);
+}
+
+/* int8 moment buffers: codes bit for bit, scales as fp32 values (two NaNs equal) */
+static int same_i8(const uint8_t *a, const uint8_t *b, int64_t n) {
+    for (int64_t j = 0; j < (n + 15) / 16; j++) {
+        float x, y;
+        memcpy(&x, a + 20 * j + 16, 4), memcpy(&y, b + 20 * j + 16, 4);
+        if (memcmp(a + 20 * j, b + 20 * j, 16) != 0 || !same_f32(x, y)) return 0;
+    }
+    return 1;
+}
 
 static void compare(const char *what, const result *a, const result *ref, int64_t n, int out16, int exact_sum) {
     for (int64_t i = 0; i < n; i++) {
@@ -131,6 +175,11 @@ static void compare(const char *what, const result *a, const result *ref, int64_
             failures++;
             return;
         }
+    }
+    if (!same_i8(a->m8, ref->m8, n) || !same_i8(a->v8, ref->v8, n)) {
+        printf("FAIL %s: int8 moments differ\n", what);
+        failures++;
+        return;
     }
     for (int k = 0; k < 2; k++) {
         const socx_stats *x = k ? &a->gs : &a->st, *y = k ? &ref->gs : &ref->st;
@@ -171,25 +220,25 @@ int main(void) {
         bufs in;
         alloc_bufs(&in, n);
         fill(&in, n, s % 2);
-        for (int combo = 0; combo < 64; combo++) {
+        for (int combo = 0; combo < 96; combo++) {
             int gbf16 = combo & 1, out16 = (combo >> 1) & 1, pingpong = (combo >> 2) & 1, decoupled = (combo >> 3) & 1,
-                big_lerp = (combo >> 4) & 1, mb16 = (combo >> 5) & 1;
+                big_lerp = (combo >> 4) & 1, mfmt = combo >> 5;
             /* keep qemu time modest for the large size */
             if (big && (combo & 31) != 3 && (combo & 31) != 4 && (combo & 31) != 7) continue;
             socx_hparams h = {7, 1e-3, big_lerp ? 0.3 : 0.9, 0.999, 1e-8, 0.1, decoupled, 0.75};
             socx_force_isa(SOCX_ISA_SCALAR);
             socx_set_num_threads(1);
-            result ref = run(&in, n, gbf16, out16, pingpong, mb16, &h);
+            result ref = run(&in, n, gbf16, out16, pingpong, mfmt, &h);
             for (int k = 0; k < npaths; k++) {
                 for (int threads = 1; threads <= 3; threads += 2) {
                     char what[160];
                     snprintf(what, sizeof what,
-                             "%s threads=%d n=%lld gbf16=%d out16=%d pingpong=%d decoupled=%d beta1=%g mb16=%d",
+                             "%s threads=%d n=%lld gbf16=%d out16=%d pingpong=%d decoupled=%d beta1=%g moments=%d",
                              socx_isa_name(paths[k]), threads, (long long)n, gbf16, out16, pingpong, decoupled, h.beta1,
-                             mb16);
+                             mfmt);
                     socx_force_isa(paths[k]);
                     socx_set_num_threads(threads);
-                    result r = run(&in, n, gbf16, out16, pingpong, mb16, &h);
+                    result r = run(&in, n, gbf16, out16, pingpong, mfmt, &h);
                     compare(what, &r, &ref, n, out16, paths[k] != SOCX_ISA_SVE);
                     release(&r);
                     checks++;
