@@ -49,7 +49,8 @@ class BucketStore:
         self.claims = Claims()
         self._pool: list[FlatBucket] = []
         self._runtimes = runtimes
-        self._ledgers = dict(traffic=traffic, host_ledger=host_ledger, host_blocks=host_blocks)
+        # the ledgers every bucket made here books into (host_work: CPU-stepped buckets only)
+        self._traffic, self._host_ledger, self._host_blocks = traffic, host_ledger, host_blocks
         self._host_work = host_work
 
     def buckets(self) -> list[FlatBucket]:
@@ -106,7 +107,8 @@ class BucketStore:
                                 cast_site=cast_sites[k] if cast_sites else "cpu", moment_dtype=settings.moment_dtype,
                                 # a device-site bucket's work is the device's (on the CPU build too): not booked
                                 host_work=self._host_work if site == "cpu" else None,
-                                groups=[self.group_index[id(p)] for p in params], **self._ledgers)
+                                traffic=self._traffic, host_ledger=self._host_ledger, host_blocks=self._host_blocks,
+                                groups=[self.group_index[id(p)] for p in params])
             bucket.adopt(self.slots)
             bucket.use_rollback(settings.rollback)
             made.append(bucket)

@@ -141,21 +141,7 @@ class StepValidation:
         else:
             scale = 1.0 if script_changed else clip_coefficient(norm, self.max_grad_norm)
             skipped, clipped = False, scale < 1.0
-            # Each bucket is final here, one by one: its upload is issued at once (overlapping the next
-            # buckets' commits or redone steps), in the order the next forward reads them.
-            for bucket in upload_order(buckets):
-                if bucket.speculated and scale < 1.0:
-                    self.roll_back(bucket, groups)
-                    self.step_now(bucket, groups, scale)
-                    spec.count_redone()
-                elif bucket.speculated:
-                    if bucket.speculated == "spare":
-                        bucket.swap_in_spare()
-                    spec.count_committed()
-                elif not bucket.stepped:
-                    self.step_now(bucket, groups, scale)
-                self.upload_final(bucket, sharding)
-            self.commit(buckets, state)
+            self._make_final(buckets, groups, sharding, state, scale)
         spec.end_step(norm, skipped=skipped, clipped=clipped)
         spec.count_validating(time.perf_counter() - start)
         if log.isEnabledFor(logging.DEBUG):   # TORCH_LOGS=+socompile shows one line per step
@@ -168,9 +154,26 @@ class StepValidation:
     def finish_unvalidated(self, buckets: list[FlatBucket], groups: list[dict], sharding, state: dict) -> None:
         """``step()`` with nothing to validate, for the buckets it waited for: step those backward did not,
         upload each as it is final, and commit them."""
+        self._make_final(buckets, groups, sharding, state, 1.0)
+
+    def _make_final(self, buckets: list[FlatBucket], groups: list[dict], sharding, state: dict,
+                    scale: float) -> None:
+        """Make every bucket's step final with gradient scale ``scale`` and commit them: a speculated step is kept
+        (scale 1) or rolled back and redone scaled; a bucket not stepped yet is stepped now. Each bucket's upload
+        is issued as soon as it is final (overlapping the next buckets' commits or steps), in the order the next
+        forward reads them."""
+        spec = self.speculator
         for bucket in upload_order(buckets):
-            if not bucket.stepped:
-                self.step_now(bucket, groups, 1.0)
+            if bucket.speculated and scale < 1.0:
+                self.roll_back(bucket, groups)
+                self.step_now(bucket, groups, scale)
+                spec.count_redone()
+            elif bucket.speculated:
+                if bucket.speculated == "spare":
+                    bucket.swap_in_spare()
+                spec.count_committed()
+            elif not bucket.stepped:
+                self.step_now(bucket, groups, scale)
             self.upload_final(bucket, sharding)
         self.commit(buckets, state)
 
