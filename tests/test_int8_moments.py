@@ -72,7 +72,14 @@ def int8_pair(monkeypatch, *args, **kwargs):
     return train_pair(monkeypatch, *args, moments="int8", reference=Int8AdamW, **kwargs)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+# The default suite trains the CPU build (shared master) and the emulated device's bf16 flow buckets; the other
+# three shapes (-m slow) run in the default suite with bf16 moments (tests/test_moment_dtype.py), through the same
+# bucket code, and the ledger test below trains the emulated bf16 host cast with int8 moments.
+DEFAULT_CASES = ("cpu fp32 (shared master)", "emulated bf16 flow")
+
+
+@pytest.mark.parametrize("case", [c if c in DEFAULT_CASES else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in sorted(CASES)])
 def test_int8_moments_train_byte_for_byte_as_the_eager_quantised_reference(monkeypatch, case):
     runtime, dtype, options, micro = CASES[case]
     opt, ref, model, ref_model, _, _ = int8_pair(monkeypatch, runtime, dtype, accumulate=micro, options=options)
@@ -90,7 +97,8 @@ def test_a_clipped_speculative_int8_step_is_redone_with_the_same_rounding(monkey
     assert_bytewise_equal(opt, ref, model, ref_model)
 
 
-@pytest.mark.parametrize("bf16_weights", [False, True])
+# bf16 weights: -m slow (the bf16-moment twin runs both in the default suite; the int8 bytes are weight-independent)
+@pytest.mark.parametrize("bf16_weights", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_an_offline_plan_with_int8_moments_holds_and_streams_the_bytes_it_says(bf16_weights):
     """Host memory: 2.5 B of moments per element (16 codes + a 4-byte scale per 16, twice) against fp32's 8, to
     the byte (every bucket is a whole number of 16-element blocks); CPU Adam: 4 + 4 + 2.5 read and 4 + 2.5
@@ -98,6 +106,7 @@ def test_an_offline_plan_with_int8_moments_holds_and_streams_the_bytes_it_says(b
     from socompile.perf.simulate import simulate
     from socompile.plan.host_work import ADAM_KERNEL, per_step_host_work
     from socompile.plan.planner import plan_with_details
+    from socompile.report.table import plan_table
     from test_plan_helpers import options, profile, traced
     ir = traced(bf16=bf16_weights)
     plans = {fmt: plan_with_details(ir, profile(), options(gpu_buckets=0, moment_dtype=fmt))
@@ -114,6 +123,10 @@ def test_an_offline_plan_with_int8_moments_holds_and_streams_the_bytes_it_says(b
     assert streamed == sum(predicted[ADAM_KERNEL])
     fp32 = plans["float32"]
     assert sim.step_time <= simulate(fp32.plan, fp32.costs, fp32.cost).step_time   # fewer bytes, never slower
+    text = plan_table(d.plan)   # the report names the format and its bytes
+    assert "Adam moments: int8, 2.5 B per CPU-stepped parameter (fp32: 8)" in text
+    # read p 4, g 4, m 1.25, v 1.25; write p 4, m 1.25, v 1.25 (codes 1 + scale 0.25 per element and moment)
+    assert "CPU Adam reads and writes 17 B per parameter with fp32 gradients (fp32 moments: 28)" in text
 
 
 def test_the_planner_never_gives_int8_moments_the_inverse_rollback():
@@ -133,17 +146,6 @@ def test_the_planner_never_gives_int8_moments_the_inverse_rollback():
     assert any(b.rollback == "inverse" for b in fp32.buckets)
     with pytest.raises(PlanError, match="int8 moments cannot use the algebraic inverse"):
         plan_with_details(ir, tight, options(gpu_buckets=0, moment_dtype="int8"))
-
-
-def test_the_plan_report_names_the_int8_format_and_its_bytes():
-    from socompile.plan.planner import plan_with_details
-    from socompile.report.table import plan_table
-    from test_plan_helpers import options, profile, traced
-    plan = plan_with_details(traced(), profile(), options(gpu_buckets=0, moment_dtype="int8")).plan
-    text = plan_table(plan)
-    assert "Adam moments: int8, 2.5 B per CPU-stepped parameter (fp32: 8)" in text
-    # read p 4, g 4, m 1.25, v 1.25; write p 4, m 1.25, v 1.25 (codes 1 + scale 0.25 per element and moment)
-    assert "CPU Adam reads and writes 17 B per parameter with fp32 gradients (fp32 moments: 28)" in text
 
 
 @pytest.mark.parametrize("runtime, dtype", [("cpu", torch.float32), ("emulated", torch.bfloat16)])
