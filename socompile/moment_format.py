@@ -17,9 +17,13 @@ element and moment, so int8 moments cost 2.5 B per parameter instead of fp32's 8
 """
 from __future__ import annotations
 
+from types import MappingProxyType
+
 QBLOCK = 16                   # elements per quantisation block (== plan/bucketize.py ALIGN, see above)
 QBLOCK_BYTES = QBLOCK + 4     # their codes, then the block's fp32 scale
 MOMENT_FORMATS = ("float32", "bfloat16", "int8")
+INT8_BYTES_PER_ELEMENT = QBLOCK_BYTES / QBLOCK   # codes and scale, per element and moment
+_DTYPE_BYTES = MappingProxyType({"uint8": 1, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8})
 
 
 def quantised(moment_dtype: str) -> bool:
@@ -35,9 +39,7 @@ def moment_buffer(moment_dtype: str, elements: int) -> tuple[str, int]:
 
 def moment_bytes_per_element(moment_dtype: str) -> float:
     """Bytes one moment of one parameter takes (and the CPU kernel reads and writes per step)."""
-    if moment_dtype == "int8":
-        return QBLOCK_BYTES / QBLOCK
-    return {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}[moment_dtype]
+    return INT8_BYTES_PER_ELEMENT if moment_dtype == "int8" else _DTYPE_BYTES[moment_dtype]
 
 
 def format_of(bytes_per_element: float) -> str:
@@ -51,13 +53,13 @@ def format_of(bytes_per_element: float) -> str:
 def moment_bytes(moment_dtype: str, elements: int) -> int:
     """Bytes of one moment's buffer for ``elements`` parameters."""
     dtype, n = moment_buffer(moment_dtype, elements)
-    return n * {"uint8": 1, "bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}[dtype]
+    return n * _DTYPE_BYTES[dtype]
 
 
 def moments_streamed(moment_bytes: float, elements: float) -> float:
     """Bytes of both moments of a kernel call over ``elements`` (``moment_bytes`` per element and moment): an int8
     call reads and writes whole blocks, so a short last block counts whole."""
-    if moment_bytes == QBLOCK_BYTES / QBLOCK:
+    if moment_bytes == INT8_BYTES_PER_ELEMENT:
         return 2 * -(-elements // QBLOCK) * QBLOCK_BYTES
     return 2 * moment_bytes * elements
 

@@ -130,13 +130,13 @@ def save(opt: "AdamW") -> dict:
     # opt.state keeps its views of the live buffers.
     if opt.moment_dtype != torch.float32:   # a float64 bucket keeps float64 moments: only bf16 and int8 convert
         index = {id(p): k for k, p in enumerate(p for group in opt.param_groups for p in group["params"])}
-        decoded = {}
-        for bucket in opt.buckets:
+        out["state"] = dict(out["state"])
+        for bucket in (b for b in opt.buckets if b.moments_rounded):
             for i, p in enumerate(bucket.params):
-                if index.get(id(p)) in out["state"] and bucket.moments_rounded:
-                    decoded[index[id(p)]] = bucket.moment_values(i)
-        out["state"] = {k: dict(entry, **dict(zip(("exp_avg", "exp_avg_sq"), decoded[k]))) if k in decoded
-                        else entry for k, entry in out["state"].items()}
+                k = index.get(id(p))
+                if k in out["state"]:
+                    exp_avg, exp_avg_sq = bucket.moment_values(i)
+                    out["state"][k] = {**out["state"][k], "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     return out
 
 

@@ -44,6 +44,7 @@ from ..plan.bucket_buffers import (ACCUMULATION_BUFFER, EXP_AVG_BUFFER, EXP_AVG_
                                    shard_layout, shard_window)
 from ..plan.bucketize import ALIGN   # one layout fact for planner and runtime
 from ..moment_format import QBLOCK, byte_range, moment_bytes_per_element
+from ..moment_format import moment_bytes as moment_buffer_bytes
 from .host_master import HALF_WEIGHTS, HostMasterCopies, flat_real
 from ..plan.host_work import SPARE_COPY, copy_bytes
 from .traffic import HostBlockLedger, HostWorkLedger, TrafficLedger
@@ -550,8 +551,10 @@ class FlatBucket(HostMasterCopies):
                 spare_master[seg].copy_(self.master[seg])
                 self.moment_range(spare_m, seg).copy_(self.moment_range(self.exp_avg, seg))
                 self.moment_range(spare_v, seg).copy_(self.moment_range(self.exp_avg_sq, seg))
-                state_bytes = self.master.element_size() + 2 * self.moment_bytes   # master + moments
-                self.host_work.add_work(SPARE_COPY, copy_bytes(self.sizes[i], state_bytes, state_bytes))
+                # master + both moments (int8: the segment's whole blocks)
+                n = self.sizes[i]
+                state_bytes = n * self.master.element_size() + 2 * moment_buffer_bytes(self.moment_format, n)
+                self.host_work.add_work(SPARE_COPY, copy_bytes(1, state_bytes, state_bytes))
         self.spare = (self.master, self.exp_avg, self.exp_avg_sq)
         self.master, self.exp_avg, self.exp_avg_sq = spare_master, spare_m, spare_v
         self.dirty = True
