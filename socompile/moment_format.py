@@ -30,6 +30,12 @@ def quantised(moment_dtype: str) -> bool:
     return moment_dtype == "int8"
 
 
+def shard_block(moment_dtype: str) -> int:
+    """Elements a ZeRO rank's window must start at a multiple of: int8 blocks are never cut between ranks, so a
+    rank steps, saves and gathers whole blocks."""
+    return QBLOCK if quantised(moment_dtype) else 1
+
+
 def moment_buffer(moment_dtype: str, elements: int) -> tuple[str, int]:
     """(torch dtype name, elements) of the buffer holding one moment of ``elements`` parameters."""
     if moment_dtype == "int8":

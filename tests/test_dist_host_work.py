@@ -42,10 +42,13 @@ CASES = {   # name: (ranks, dtype, backend options, optimizer arguments, micro-b
     "dp2 fp32, accumulation": (2, "float32", {}, {"grad_accumulation_steps": 2}, 2, "on"),
     "dp2 fp32, no speculation, clip": (2, "float32", {"speculate": False}, {"max_grad_norm": 1e6}, 1, "off"),
     "dp3 fp32 shared": (3, "float32", {}, {}, 1, "on"),
+    # windows of whole 16-element blocks: chunks rounded up, so the padding and the windows differ from fp32's
+    "dp3 fp32 shared, int8 moments": (3, "float32", {}, {"moment_dtype": "int8"}, 1, "on"),
 }
-# The default suite runs the host path (dp 3, bf16, flow) and device-side ZeRO (dp 3, clip committed); the rest,
+# The default suite runs the host path (dp 3, bf16, flow; dp 3, int8 moments) and device-side ZeRO (dp 3, clip
+# committed); the rest,
 # a redo included (tests/test_host_work.py has it in one process), run with -m slow.
-DEFAULT = ("dp3 bf16 separate, flow", "emulated dp3 fp32, clip committed")
+DEFAULT = ("dp3 bf16 separate, flow", "emulated dp3 fp32, clip committed", "dp3 fp32 shared, int8 moments")
 
 
 def _host_work_worker(args: dict) -> dict:
@@ -76,7 +79,7 @@ def _host_work_worker(args: dict) -> dict:
     predicted = per_step_host_work(ctx.plan, ctx.ir, shared_master=opt.host_master == "shared",
                                    weight_bytes=torch.finfo(dtype).bits // 8, validating=opt.max_grad_norm is not None,
                                    speculation=speculation, micro_batches=micro, host_is_device=runtime == "cpu",
-                                   rank=topo.rank, world=topo.world_size)
+                                   rank=topo.rank, world=topo.world_size, moment_bytes=opt.buckets[0].moment_bytes)
     planned = {purpose: [r, w] for purpose, r, w in ctx.plan.prediction("host_work_bytes_per_step")}
     out = {"booked": {k: list(v) for k, v in opt.host_work().items()},
            "predicted": {k: list(v) for k, v in predicted.items()}, "planned": planned,

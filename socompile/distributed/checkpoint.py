@@ -69,6 +69,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from .. import integrity
 from ..checkpoint import _fsync_dir, _module, log
 from ..optim.bucket_layout import alias_state
+from ..runtime.cpu_adam import round_seed
 
 FORMAT = "socompile-dcp-checkpoint"
 VERSION = 3   # 3: a device-sharded bucket's fp32 master as flat pieces; 2: "checksums.<rank>" entries; 1: none
@@ -168,8 +169,7 @@ def _optimizer_entries(optimizer, fresh_steps: bool):
             a, b = held if held is not None else (0, 0)
             step = torch.tensor(0.0 if fresh_steps else float(bucket.steps[i]), dtype=torch.float32)
             entry = {"step": step}
-            for key, buffer in (("exp_avg", bucket.exp_avg), ("exp_avg_sq", bucket.exp_avg_sq)):
-                part = bucket.state_part(buffer, i) if held is not None else buffer[:0]
+            for key, part in zip(("exp_avg", "exp_avg_sq"), _moment_pieces(bucket, i, fresh_steps)):
                 entry[key] = _FlatPiece(part, a, p.numel())
             if bucket.mirror and p.dtype != torch.float32:   # the fp32 master the low-precision weights round
                 if bucket.device_shard is not None:   # device-side ZeRO: this rank's piece, as the moments
@@ -179,6 +179,28 @@ def _optimizer_entries(optimizer, fresh_steps: bool):
                     entry["master"] = (torch.empty(p.shape, dtype=torch.float32) if fresh_steps
                                        else bucket.view(bucket.master, i))
             yield index_of[id(p)], p, bucket, i, entry
+
+
+def _moment_pieces(bucket, i: int, for_loading: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Parameter i's held moments as the checkpoint keeps them, fp32 or bf16 as the bucket holds them: views of
+    the buffers (DCP loads into them in place), or for int8 blocks fp32 values, decoded for saving or new
+    tensors for loading (``_encode_loaded`` packs them)."""
+    held = bucket.held(i)
+    if held is None:
+        return bucket.exp_avg[:0], bucket.exp_avg_sq[:0]
+    if bucket.moment_format != "int8":
+        return bucket.state_part(bucket.exp_avg, i), bucket.state_part(bucket.exp_avg_sq, i)
+    if for_loading:
+        return torch.zeros(held[1] - held[0]), torch.zeros(held[1] - held[0])
+    return bucket.moment_values(i)
+
+
+def _encode_loaded(bucket, i: int, entry: dict, steps: int) -> None:
+    """Pack the fp32 moments loaded for an int8 bucket's parameter i, rounded as a load in one process rounds
+    them (the seed optim/state_dict.py draws for a load)."""
+    if bucket.moment_format == "int8" and bucket.held(i) is not None:
+        bucket.set_held_moments(i, entry["exp_avg"].local, entry["exp_avg_sq"].local,
+                                seed=round_seed(bucket.index, steps, bucket.offsets[i]))
 
 
 def _master_piece(bucket, i: int) -> torch.Tensor:
@@ -324,6 +346,7 @@ def load(path: str | os.PathLike, model=None, optimizer=None, *, group=None, str
             mine.update(saved)
         for _, p, bucket, i, entry in entries:
             bucket.steps[i] = int(float(entry["step"]))
+            _encode_loaded(bucket, i, entry, bucket.steps[i])
             if bucket.steps[i] == 0:
                 optimizer.state.pop(p, None)
                 continue
@@ -435,21 +458,22 @@ def full_optimizer_state_dict(optimizer, *, to_rank: int = 0, group=None) -> dic
     state: dict[int, dict] = {}
     for bucket in optimizer.buckets:   # the same order on every rank
         shard = sharding.shard_of(bucket)
+        chunk = bucket.moment_buffer_elements(shard.chunk)   # int8: bytes of whole blocks, which concatenate
         whole = []
         for local in (bucket.exp_avg, bucket.exp_avg_sq):
-            mine = torch.zeros(shard.chunk, dtype=local.dtype)
+            mine = torch.zeros(chunk, dtype=local.dtype)
             mine[:local.numel()].copy_(local)
-            parts = [torch.empty(shard.chunk, dtype=local.dtype) for _ in range(sharding.world)] if me == to_rank else None
+            parts = [torch.empty(chunk, dtype=local.dtype) for _ in range(sharding.world)] if me == to_rank else None
             dist.gather(mine, parts, dst=dst, group=group)
-            whole.append(torch.cat(parts)[:bucket.numel] if parts is not None else None)
+            whole.append(torch.cat(parts)[:bucket.moment_buffer_elements(bucket.numel)] if parts is not None else None)
         if me != to_rank:
             continue
         for i, p in enumerate(bucket.params):
             if bucket.steps[i] == 0:
                 continue
+            exp_avg, exp_avg_sq = bucket.whole_moment_values(i, *whole)
             state[index_of[id(p)]] = {"step": torch.tensor(float(bucket.steps[i]), dtype=torch.float32),
-                                      "exp_avg": bucket.view(whole[0], i).clone(),
-                                      "exp_avg_sq": bucket.view(whole[1], i).clone()}
+                                      "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     if me != to_rank:
         return None
     groups = torch.optim.Optimizer.state_dict(optimizer)["param_groups"]   # torch's param index lists

@@ -97,7 +97,7 @@ class ZeroSharding:
 
     def shard_of(self, bucket) -> _Shard:
         bucket.shard(self.rank, self.world)   # no-op once sharded (buckets made after shard_optimizer are)
-        chunk = chunk_elements(bucket.numel, self.world)
+        chunk = chunk_elements(bucket.numel, self.world, bucket.zero_block)
         return _Shard(*bucket.window, chunk, chunk * self.world)
 
     def unshard_state(self, buckets) -> None:
@@ -117,15 +117,17 @@ class ZeroSharding:
                 continue
             shard = self.shard_of(bucket)
             full = []
+            # int8 moments: a chunk is whole blocks (zero_block), so the ranks' bytes concatenate to the bucket's
+            chunk = bucket.moment_buffer_elements(shard.chunk)
             for name, local in (("exp_avg", bucket.exp_avg), ("exp_avg_sq", bucket.exp_avg_sq)):
-                mine = torch.zeros(shard.chunk, dtype=local.dtype)
+                mine = torch.zeros(chunk, dtype=local.dtype)
                 mine[:local.numel()].copy_(local)
-                out = torch.empty(shard.padded, dtype=local.dtype)
+                out = torch.empty(chunk * self.world, dtype=local.dtype)
                 with guard(f"all-gather of bucket {bucket.index}'s {name} (re-layout)", self.group), \
                         zero_device.staged(out, self.group) as dst, zero_device.staged(mine, self.group) as src:
                     dist.all_gather_single(dst, src, group=self.group) if hasattr(dist, "all_gather_single") \
                         else dist.all_gather_into_tensor(dst, src, group=self.group)
-                full.append(out[:bucket.numel])
+                full.append(out[:bucket.moment_buffer_elements(bucket.numel)])
             bucket.unshard(*full)
 
     def fetch_window(self, bucket, window):

@@ -23,7 +23,7 @@ import dataclasses
 
 from ..ledger_names import ACCUMULATION, LANDING, MASTER, MOMENTS, SPARES, STAGING
 from .bucketize import chunk_elements
-from ..moment_format import moment_buffer, quantised
+from ..moment_format import moment_buffer, quantised, shard_block
 
 # The names of a bucket's buffers (what the runtime asks for), each booked under a ledger purpose.
 MASTER_BUFFER = "master"
@@ -107,12 +107,27 @@ class BufferSpec:
         return self.elements * _BYTES[self.dtype]
 
 
-def shard_window(numel: int, rank: int, world: int) -> tuple[int, int]:
+def shard_window(numel: int, rank: int, world: int, block: int = 1) -> tuple[int, int]:
     """Elements [lo, hi) of a bucket of ``numel`` that ``rank`` of ``world`` owns: equal chunks of
-    ceil(numel / world) (the reduce-scatter pads the bucket to world chunks); the last ones may be short or empty."""
-    chunk = chunk_elements(numel, world)
+    ceil(numel / world) rounded up to ``block`` (``zero_block``; the reduce-scatter pads the bucket to world
+    chunks); the last ones may be short or empty."""
+    chunk = chunk_elements(numel, world, block)
     lo = min(rank * chunk, numel)
     return lo, min(lo + chunk, numel)
+
+
+def zero_block(storage: BucketStorage) -> int:
+    """What a ZeRO chunk of a bucket of ``storage`` is a multiple of: int8 moment blocks are not cut between
+    ranks (socompile/moment_format.py ``shard_block``)."""
+    return shard_block(_moment_format(storage))
+
+
+def _moment_format(storage: BucketStorage) -> str:
+    """The moments' format: the optimizer's ``moment_dtype`` where the CPU kernel steps fp32 state; a
+    device-stepped or float64 bucket keeps its state dtype."""
+    if storage.host_stepped and storage.state_dtype == "float32":
+        return storage.moment_dtype
+    return storage.state_dtype
 
 
 def shard_layout(storage: BucketStorage, world: int) -> str:
@@ -137,14 +152,21 @@ def bucket_buffers(storage: BucketStorage, numel: int, rank: int = 0, world: int
     s = storage
     state = s.state_dtype
     cut = shard_layout(s, world)
-    chunk = chunk_elements(numel, world)
-    lo, hi = shard_window(numel, rank, world)
+    moments = _moment_format(s)
+    if cut == "chunk" and quantised(moments):
+        raise NotImplementedError(
+            "ZeRO sharding on the device (a separate fp32 host master on a CUDA runtime: master, moments and "
+            "gradients cut to this rank's chunk) is not implemented for int8 moments. Shard with "
+            "socompile.AdamW(moment_dtype=torch.bfloat16) (2 B per moment) or torch.float32; int8 moments shard "
+            "on the host path (fp32 parameters on a CPU runtime).")
+    block = shard_block(moments)
+    chunk = chunk_elements(numel, world, block)
+    lo, hi = shard_window(numel, rank, world, block)
     window = chunk if cut == "chunk" else hi - lo if cut == "window" else numel
     if not s.host_stepped:
         return _device_stepped(s, numel, window, cut)
     master_part = "chunk" if cut == "chunk" else "whole"
     master_elements = chunk if cut == "chunk" else numel
-    moments = s.moment_dtype if state == "float32" else state
     pins = s.pins and s.separate
     # device-side ZeRO casts on the host from a stage of the chunk (no device cast); its master crosses only for
     # weights that are not 2-byte

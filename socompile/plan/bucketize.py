@@ -28,10 +28,12 @@ def bucketize(ordered: list[tuple[str, int]], bucket_bytes: int) -> list[list[st
     return buckets
 
 
-def chunk_elements(numel: int, world: int) -> int:
-    """Elements of each of the ``world`` equal chunks a ZeRO bucket of ``numel`` is cut into: ceil(numel / world)
-    (the reduce-scatter pads the bucket to ``world`` chunks; the last ranks' windows may be short or empty)."""
-    return -(-numel // max(1, world))
+def chunk_elements(numel: int, world: int, block: int = 1) -> int:
+    """Elements of each of the ``world`` equal chunks a ZeRO bucket of ``numel`` is cut into: ceil(numel / world),
+    rounded up to a multiple of ``block`` (int8 moments: socompile/moment_format.py ``shard_block``). The
+    reduce-scatter pads the bucket to ``world`` chunks; the last ranks' windows may be short or empty."""
+    chunk = -(-numel // max(1, world))
+    return -(-chunk // block) * block
 
 
 def padded_numel(numels, align: int) -> int:

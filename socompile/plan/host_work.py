@@ -57,6 +57,7 @@ from __future__ import annotations
 from ..dtypes import dtype_bytes
 from ..hardware.cpu_adam import adam_kernel_bytes
 from ..ledger_names import ACTIVATION_FETCH, ACTIVATION_OFFLOAD
+from ..moment_format import format_of, shard_block
 from ..options import OFFLOADED_CHOICES
 from .bucket_buffers import BucketStorage, landing_dtype, shard_layout, shard_window
 from .bucketize import ALIGN, chunk_elements, padded_numel
@@ -125,7 +126,8 @@ def bucket_host_work(b, sizes: list[int], *, shared_master: bool, weight_bytes: 
     cut = shard_layout(BucketStorage(separate=not shared_master, weight_dtype=weight_dtype,
                                      pins=not shared_master and not host_is_device), world)
     numel = padded_numel(sizes, ALIGN)
-    lo, hi = shard_window(numel, rank, world)
+    block = shard_block(format_of(moment_bytes))   # int8 moments: windows of whole blocks
+    lo, hi = shard_window(numel, rank, world, block)
     elements = max(0, min(kernel_elements(sizes), hi) - lo)   # the kernel's run, cut to this rank's window
     if cut == "chunk":     # the device reduced the gradients in the weights' dtype
         grad_bytes = dtype_bytes(landing_dtype(weight_dtype, "float32"))
@@ -149,7 +151,7 @@ def bucket_host_work(b, sizes: list[int], *, shared_master: bool, weight_bytes: 
     if cut != "whole":
         # a step into the spare is swapped in at its commit; a redone or unspeculated step is taken in place
         out.update(zero_host_work(numel, rank, world, spare_swap=b.rollback == "exact" and speculation == "on",
-                                  on_device=cut == "chunk"))
+                                  on_device=cut == "chunk", block=block))
     if cut == "window" and not shared_master and weight_bytes == 2 \
             and not (b.weight_mode == "stationary" and b.cast_site == "device"):
         out[HOST_CAST] = copy_bytes(numel, 4, weight_bytes)   # the whole bucket, after the all-gather
@@ -163,12 +165,13 @@ def _summed(*terms: tuple[int, int]) -> tuple[int, int]:
 
 
 def zero_host_work(numel: int, rank: int, world: int, spare_swap: bool, on_device: bool = False,
-                   state_bytes: int = 4) -> dict[str, tuple[int, int]]:
+                   state_bytes: int = 4, block: int = 1) -> dict[str, tuple[int, int]]:
     """The copies ZeRO makes on the host of a bucket of ``numel`` padded elements on ``rank`` of ``world``, per
     step (module doc); ``spare_swap``: the bucket steps into its ping-pong spare and swaps it in; ``on_device``:
-    device-side ZeRO, whose collectives and their copies are the device's."""
-    chunk = chunk_elements(numel, world)
-    lo, hi = shard_window(numel, rank, world)
+    device-side ZeRO, whose collectives and their copies are the device's; ``block``: what a chunk is a
+    multiple of (plan/bucket_buffers.py ``zero_block``)."""
+    chunk = chunk_elements(numel, world, block)
+    lo, hi = shard_window(numel, rank, world, block)
     window, s = hi - lo, state_bytes
     out = {}
     if not on_device:

@@ -41,9 +41,9 @@ from torch import nn
 from ..plan.bucket_buffers import (ACCUMULATION_BUFFER, EXP_AVG_BUFFER, EXP_AVG_SQ_BUFFER, GRAD_BUFFER,
                                    LOW_STAGE_BUFFER, MASTER_BUFFER, SPARE_EXP_AVG_BUFFER, SPARE_EXP_AVG_SQ_BUFFER,
                                    SPARE_MASTER_BUFFER, WEIGHTS_BUFFER, BucketStorage, BufferSpec, bucket_buffers,
-                                   shard_layout, shard_window)
+                                   shard_layout, shard_window, zero_block)
 from ..plan.bucketize import ALIGN   # one layout fact for planner and runtime
-from ..moment_format import QBLOCK, byte_range, moment_bytes_per_element
+from ..moment_format import byte_range, moment_buffer, moment_bytes_per_element
 from ..moment_format import moment_bytes as moment_buffer_bytes
 from .host_master import HALF_WEIGHTS, HostMasterCopies, flat_real
 from ..plan.host_work import SPARE_COPY, copy_bytes
@@ -155,7 +155,7 @@ class FlatBucket(HostMasterCopies):
             self._shard_after_adopt = shard
         elif sharded_now:
             self.rank_world = shard
-            self.window = shard_window(total, *shard)
+            self.window = shard_window(total, *shard, zero_block(self.storage))
             self.state_lo = self.window[0]
         self.exp_avg = self.make_buffer(EXP_AVG_BUFFER)
         self.exp_avg_sq = self.make_buffer(EXP_AVG_SQ_BUFFER)
@@ -284,41 +284,79 @@ class FlatBucket(HostMasterCopies):
         return buffer[slice(*byte_range(self.moment_format, elements.start, elements.stop))]
 
     def moment_part(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
-        """Parameter i's part of a moment buffer: ``state_part`` for fp32 and bf16 moments; int8 blocks are its
-        packed bytes, flat (a bucket with int8 moments is never sharded)."""
+        """Parameter i's part of a moment buffer: ``state_part`` for fp32 and bf16 moments; for int8, the packed
+        bytes of its ``held(i)`` elements, flat (a ZeRO window starts at a block: ``zero_block``)."""
         if self.moment_format != "int8":
             return self.state_part(buffer, i)
-        return self.moment_range(buffer, self.segment(i))
+        if not self.sharded:
+            return self.moment_range(buffer, self.segment(i))
+        a, b = self.held(i) or (0, 0)
+        start = self.offsets[i] + a
+        return self.moment_range(buffer, self.local(start, start + b - a))
 
     def moment_values(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Parameter i's current (exp_avg, exp_avg_sq) in torch's layout: fp32 shaped like the parameter (new
-        tensors for bf16 and int8 moments; views of the buffers otherwise)."""
+        """Parameter i's current (exp_avg, exp_avg_sq) in torch's layout: fp32, of its ``held(i)`` elements
+        (shaped like the parameter when the bucket is not sharded, else flat); new tensors for bf16 and int8
+        moments, views of the buffers otherwise."""
         m, v = self.moment_part(self.exp_avg, i), self.moment_part(self.exp_avg_sq, i)
         if self.moment_format == "int8":
             from .int8_moments import decode
-            shape = self.params[i].shape
-            return decode(m, self.sizes[i], signed=True).view(shape), decode(v, self.sizes[i], signed=False).view(shape)
+            a, b = self.held(i) or (0, 0)
+            m, v = decode(m, b - a, signed=True), decode(v, b - a, signed=False)
+            return (m, v) if self.sharded else (m.view(self.params[i].shape), v.view(self.params[i].shape))
         return (m.float(), v.float()) if m.dtype == torch.bfloat16 else (m, v)
+
+    def whole_moment_values(self, i: int, exp_avg: torch.Tensor,
+                            exp_avg_sq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Parameter i's (exp_avg, exp_avg_sq) in torch's layout (new fp32 tensors shaped like it) from whole
+        moment buffers of this bucket's format (gathered from every ZeRO rank)."""
+        if self.moment_format == "int8":
+            from .int8_moments import decode
+            seg, shape = self.segment(i), self.params[i].shape
+            return (decode(self.moment_range(exp_avg, seg), self.sizes[i], signed=True).view(shape),
+                    decode(self.moment_range(exp_avg_sq, seg), self.sizes[i], signed=False).view(shape))
+        m, v = self._shaped(exp_avg, i), self._shaped(exp_avg_sq, i)
+        return (m.float(), v.float()) if m.dtype == torch.bfloat16 else (m.clone(), v.clone())
+
+    def moment_buffer_elements(self, elements: int) -> int:
+        """Elements of a moment buffer of this bucket's format holding ``elements`` parameters (int8: bytes)."""
+        return moment_buffer(self.moment_format, elements)[1]
+
+    @property
+    def zero_block(self) -> int:
+        """What this bucket's ZeRO chunks are a multiple of (plan/bucket_buffers.py ``zero_block``)."""
+        return zero_block(self.storage)
 
     def set_moments(self, i: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, seed: int) -> None:
         """Write parameter i's moments from torch's fp32 layout (state_dict loading): int8 blocks are encoded
         with the kernel's stochastic rounding drawn from ``seed``; the others are copied (cast)."""
+        held = self.held(i)   # sharded: this rank's part of the whole moments
         if self.moment_format == "int8":
-            from .int8_moments import encode_moments
-            m, v = encode_moments(exp_avg.reshape(-1).float(), exp_avg_sq.reshape(-1).float(), seed)
-            self.moment_part(self.exp_avg, i).copy_(m)
-            self.moment_part(self.exp_avg_sq, i).copy_(v)
+            if held is not None:
+                a, b = held
+                self.set_held_moments(i, exp_avg.reshape(-1)[a:b], exp_avg_sq.reshape(-1)[a:b], seed)
             return
-        held = self.held(i)   # sharded: copy this rank's part of the whole moments
         for given, buffer in ((exp_avg, self.exp_avg), (exp_avg_sq, self.exp_avg_sq)):
             if held is not None:   # flat and real (complex parameters: their real view), as the bucket
                 flat_real(self.state_part(buffer, i)).copy_(flat_real(given)[held[0]:held[1]])
 
+    def set_held_moments(self, i: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, seed: int) -> None:
+        """Encode int8 moments of parameter i's ``held(i)`` elements [a, b) from fp32 ``exp_avg`` / ``exp_avg_sq``
+        of those elements (a sharded checkpoint's pieces). ``a`` starts a block (``zero_block``) and the bits are
+        drawn as for the whole parameter, so a rank encodes its piece as one process encodes the whole."""
+        from .int8_moments import encode_moments
+        a, _ = self.held(i) or (0, 0)
+        m, v = encode_moments(exp_avg.reshape(-1).float(), exp_avg_sq.reshape(-1).float(), seed, a)
+        self.moment_part(self.exp_avg, i).copy_(m)
+        self.moment_part(self.exp_avg_sq, i).copy_(v)
+
     @property
     def state_elements(self) -> int:
-        """Elements the optimizer state covers: the bucket's, or this rank's window (int8 blocks are never
-        sharded, and their buffer holds bytes)."""
-        return self.numel if self.moment_format == "int8" else self.exp_avg.numel()
+        """Elements the optimizer state covers: the bucket's, or this rank's window (int8 buffers hold bytes: the
+        window's length)."""
+        if self.moment_format == "int8":
+            return self.numel if self.window is None else self.window[1] - self.window[0]
+        return self.exp_avg.numel()
 
     @property
     def sharded(self) -> bool:
@@ -357,21 +395,17 @@ class FlatBucket(HostMasterCopies):
             return
         if self.mirror and self.master.device.type != "cpu":
             self._no_zero()
-        if self.moment_format == "int8":
-            raise NotImplementedError(
-                "ZeRO sharding (socompile.distributed.shard_optimizer) of an optimizer with int8 moments "
-                "(socompile.AdamW(moment_dtype='int8')) is not implemented: a rank's window of a bucket need not "
-                f"start at a {QBLOCK}-element quantisation block. Shard with moment_dtype=torch.bfloat16 (2 B per "
-                "moment) or torch.float32.")
+        layout = shard_layout(self.storage, world)
+        bucket_buffers(self.storage, self.numel, rank, world)   # refuses a layout not built, before anything moves
         self.rank_world = (rank, world)
-        if shard_layout(self.storage, world) == "chunk":   # master, gradients and state for the chunk; collectives
+        if layout == "chunk":                               # master, gradients and state for the chunk; collectives
             narrow_to_device_shard(self, rank, world)      # on the device
             return
-        lo, hi = self.window = shard_window(self.numel, rank, world)
+        lo, hi = self.window = shard_window(self.numel, rank, world, zero_block(self.storage))
         whole = (self.exp_avg, self.exp_avg_sq)
         self.exp_avg, self.exp_avg_sq = self.make_buffer(EXP_AVG_BUFFER), self.make_buffer(EXP_AVG_SQ_BUFFER)
         for mine, t in zip((self.exp_avg, self.exp_avg_sq), whole):
-            mine.copy_(t[lo:hi])
+            mine.copy_(self.moment_range(t, slice(lo, hi)))   # int8: the window's whole blocks
         self.state_lo, self.spare = lo, None
 
     def take_device_shard(self, shard, *, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
@@ -463,6 +497,11 @@ class FlatBucket(HostMasterCopies):
             raise RuntimeError("socompile: a sharded optimizer's state must be moved between ranks before its "
                                "buckets are laid out again (ZeroSharding.unshard_state); this is a bug")
         for mine, theirs in ((self.exp_avg, bucket.exp_avg), (self.exp_avg_sq, bucket.exp_avg_sq)):
+            if self.moment_format == "int8":   # both cuts start at blocks of the parameter (zero_block)
+                src = bucket.moment_part(theirs, j)
+                src = src[slice(*byte_range("int8", want[0] - have[0], want[1] - have[0]))]
+                self.moment_part(mine, i).copy_(src)
+                continue
             src = flat_real(bucket.state_part(theirs, j))[want[0] - have[0]:want[1] - have[0]]
             flat_real(self.state_part(mine, i)).copy_(src)
 
@@ -528,9 +567,11 @@ class FlatBucket(HostMasterCopies):
             spare_window = spare_master[self.local(*self.window)]
             for i, present in enumerate(self.has_grad):
                 if not present and self.held(i) is not None:
-                    for mine, spare in ((window, spare_window), (self.exp_avg, spare_m), (self.exp_avg_sq, spare_v)):
-                        part = self.state_part(spare, i)
-                        part.copy_(self.state_part(mine, i))
+                    parts = [(self.state_part(spare_window, i), self.state_part(window, i))]
+                    parts += [(self.moment_part(spare, i), self.moment_part(mine, i))
+                              for mine, spare in ((self.exp_avg, spare_m), (self.exp_avg_sq, spare_v))]
+                    for part, source in parts:
+                        part.copy_(source)
                         self.host_work.add_work(SPARE_COPY, copy_bytes(part.numel(), part.element_size(),
                                                                        part.element_size()))
             # kept in the spare: zero_grad() may swap back (StepValidation.discard_iteration)
