@@ -84,6 +84,7 @@ def test_int8_moments_train_byte_for_byte_as_the_eager_quantised_reference(monke
     runtime, dtype, options, micro = CASES[case]
     opt, ref, model, ref_model, _, _ = int8_pair(monkeypatch, runtime, dtype, accumulate=micro, options=options)
     assert len(opt.buckets) > 1
+    assert any(b.site == "device" for b in opt.buckets) == ("gpu_buckets" in options)
     assert_bytewise_equal(opt, ref, model, ref_model)
 
 
@@ -162,6 +163,27 @@ def test_the_ledgers_count_int8_moments_as_the_plan_does(monkeypatch, runtime, d
     assert opt.host_work() == per_step_host_work(ctx.plan, ctx.ir, shared_master=opt.host_master == "shared",
                                                  weight_bytes=torch.finfo(dtype).bits // 8, validating=False,
                                                  host_is_device=runtime == "cpu", moment_bytes=1.25)
+
+
+@pytest.mark.parametrize("moments", ["int8", torch.bfloat16])
+def test_device_stepped_buckets_hold_the_moment_format_the_plan_counts(monkeypatch, moments):
+    """GPU buckets (device-stepped, emulated device) keep their moments in the optimizer's format: the device
+    ledger holds what the plan's runtime walk predicts, and the planner's device estimate counts the same master
+    and moment bytes per device bucket (fp32: 12 B per parameter; bf16: 8; int8: 4 + 2 x 1.25, whole blocks)."""
+    from socompile.moment_format import moment_bytes as buffer_bytes
+    from socompile.plan.memory import device_memory, runtime_device_bytes
+    fmt = "int8" if moments == "int8" else "bfloat16"
+    opt, _, _, _, ctx, _ = train_pair(monkeypatch, "emulated", torch.bfloat16, steps=2, options={"gpu_buckets": 2},
+                                      moments=moments, reference=Int8AdamW if moments == "int8" else QuantisedAdamW)
+    device = [b for b in opt.buckets if b.site == "device"]
+    assert device and all(b.moment_format == fmt for b in device)
+    assert ctx.offload.ledger.summary()["current"] == runtime_device_bytes(ctx.plan, ctx.ir)["fixed"]
+    held = sum(b.exp_avg.numel() * b.exp_avg.element_size() * 2 + b.master.numel() * 4 for b in device)
+    assert held == sum(4 * b.numel + 2 * buffer_bytes(fmt, b.numel) for b in device)
+    estimate = dict(device_memory(ctx.plan.buckets, 2, 0, 0, 0, moment_dtype=fmt).device_parts)
+    grads = sum(b.numel for b in ctx.plan.buckets if b.optimizer_site == "device") * 2
+    assert estimate["GPU optimizer state"] - grads == sum(4 * b.numel + 2 * buffer_bytes(fmt, b.numel)
+                                                         for b in ctx.plan.buckets if b.optimizer_site == "device")
 
 
 def test_state_dict_is_torchs_fp32_layout_and_round_trips_through_torch(monkeypatch):

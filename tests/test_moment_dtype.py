@@ -121,6 +121,9 @@ CASES = {   # name: (runtime, parameter dtype, options, micro-batches)
     "emulated fp32 stationary": ("emulated", torch.float32, {}, 1),
     "emulated bf16, host cast": ("emulated", torch.bfloat16, {"cast_site": "cpu"}, 1),
     "emulated bf16 flow": ("emulated", torch.bfloat16, {"weight_mode": "flow", "prefetch_distance": 1}, 1),
+    # device-stepped buckets hold the same format (bucket_buffers): the emulated device's are host tensors,
+    # stepped by the CPU kernel; a CUDA device's by torch ops (runtime/device_adam.py, tested alone)
+    "emulated bf16, GPU buckets": ("emulated", torch.bfloat16, {"gpu_buckets": 2}, 1),
 }
 
 
@@ -129,6 +132,7 @@ def test_bf16_moments_train_bit_for_bit_as_the_eager_quantised_reference(monkeyp
     runtime, dtype, options, micro = CASES[case]
     opt, ref, model, ref_model, _, _ = train_pair(monkeypatch, runtime, dtype, accumulate=micro, options=options)
     assert len(opt.buckets) > 1
+    assert any(b.site == "device" for b in opt.buckets) == ("gpu_buckets" in options)
     assert_bitwise_equal(opt, ref, model, ref_model)
 
 

@@ -69,7 +69,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from .. import integrity
 from ..checkpoint import _fsync_dir, _module, log
 from ..optim.bucket_layout import alias_state
-from ..runtime.cpu_adam import round_seed
+from ..runtime.int8_moments import round_seed
 
 FORMAT = "socompile-dcp-checkpoint"
 VERSION = 3   # 3: a device-sharded bucket's fp32 master as flat pieces; 2: "checksums.<rank>" entries; 1: none

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..integrity import bad_values, is_step_count
-from ..runtime.cpu_adam import round_seed
+from ..runtime.int8_moments import round_seed
 from ..runtime.flat_bucket import real_dtype
 from .bucket_layout import alias_state
 

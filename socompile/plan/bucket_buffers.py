@@ -123,11 +123,8 @@ def zero_block(storage: BucketStorage) -> int:
 
 
 def _moment_format(storage: BucketStorage) -> str:
-    """The moments' format: the optimizer's ``moment_dtype`` where the CPU kernel steps fp32 state; a
-    device-stepped or float64 bucket keeps its state dtype."""
-    if storage.host_stepped and storage.state_dtype == "float32":
-        return storage.moment_dtype
-    return storage.state_dtype
+    """The moments' format: the optimizer's ``moment_dtype`` for fp32 state; float64 state keeps float64."""
+    return storage.moment_dtype if storage.state_dtype == "float32" else storage.state_dtype
 
 
 def shard_layout(storage: BucketStorage, world: int) -> str:
@@ -211,13 +208,15 @@ def _device_stepped(s: BucketStorage, numel: int, window: int, cut: str) -> tupl
     2-byte (or fp64) weight buffer is cast from the master after each step. No spare: a device-stepped bucket
     is stepped once its step is validated, never speculatively."""
     state = s.state_dtype
-    # torch's ops step it: int8 blocks are the CPU kernel's format only, so such a bucket keeps fp32 moments
-    moments = state if s.separate or state != "float32" or quantised(s.moment_dtype) else s.moment_dtype
+    # the optimizer's moment format, as on the CPU: torch ops decode, step and round them alike
+    # (runtime/device_adam.py); float64 state keeps float64 moments
+    moment_dtype, moment_elements = moment_buffer(_moment_format(s), window)
 
     def dev(name, purpose, dtype, elements=numel, part="whole"):
         return BufferSpec(name, purpose, dtype, elements, False, "device", part)
     out = [dev(MASTER_BUFFER, MASTER, state), dev(GRAD_BUFFER, LANDING, state),
-           dev(EXP_AVG_BUFFER, MOMENTS, moments, window, cut), dev(EXP_AVG_SQ_BUFFER, MOMENTS, moments, window, cut)]
+           dev(EXP_AVG_BUFFER, MOMENTS, moment_dtype, moment_elements, cut),
+           dev(EXP_AVG_SQ_BUFFER, MOMENTS, moment_dtype, moment_elements, cut)]
     if s.separate and s.weight_dtype != "float32":
         out.append(dev(WEIGHTS_BUFFER, "weights", s.weight_dtype))
     return tuple(out)

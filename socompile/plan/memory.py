@@ -40,7 +40,7 @@ import sympy
 from ..dtypes import dtype_bytes, dtype_name
 from ..ledger_names import ACTIVATIONS, HOST_PURPOSES
 from .bucket_buffers import WEIGHTS_BUFFER, BucketStorage, bucket_buffers, host_entries
-from ..moment_format import moment_bytes_per_element
+from ..moment_format import format_of, moment_bytes, moment_bytes_per_element
 from .bucketize import ALIGN, chunk_elements, padded_numel
 from .plan import BucketPlan
 from .step_timeline import StepPeak, flow_bytes_of
@@ -59,15 +59,18 @@ class MemoryEstimate:
 
 def device_memory(buckets: list[BucketPlan], weight_bytes: int, activations: float, activations_expr,
                   unoptimized_numel: int, adaptive_flow: set[int] | None = None, world: int = 1,
-                  step: StepPeak | None = None) -> MemoryEstimate:
+                  step: StepPeak | None = None, moment_dtype: str = "float32") -> MemoryEstimate:
     """Per rank. With ``world`` ZeRO ranks, a device-site bucket keeps 1/world of its fp32 master and moments
-    (12 B/param / world) beside its whole gradient and compute weights; uploads carry one shard.
+    (12 B/param / world with fp32 moments; ``moment_dtype`` lays them out, socompile/moment_format.py) beside its
+    whole gradient and compute weights; uploads carry one shard.
     ``step``: the joint peak of flow buffers and gradient tensors over the step (step_timeline.step_peak); the
     flow buffers are its flow peak when more than (distance + 1) of the largest (small buckets read by one node
     are live together), the gradient staging what the gradients add on top at the joint peak. Without it
     (callers with no IR), two of the largest buckets' gradients."""
     stationary = sum(b.numel for b in buckets if b.weight_mode == "stationary") + unoptimized_numel
     gpu_state = sum(b.numel for b in buckets if b.optimizer_site == "device")
+    master_and_moments = sum(4 * b.numel + 2 * moment_bytes(moment_dtype, b.numel)
+                             for b in buckets if b.optimizer_site == "device")
     cpu = [b for b in buckets if b.optimizer_site == "cpu"]
     flow = [b for b in buckets if b.weight_mode == "flow"]
     flow_buffers = (max((b.prefetch_distance for b in flow), default=0) + 1) * max(
@@ -80,7 +83,7 @@ def device_memory(buckets: list[BucketPlan], weight_bytes: int, activations: flo
     upload = 2 * max((b.numel * 4 for b in cpu if b.weight_mode == "stationary" and b.cast_site == "device"
                       and weight_bytes == 2), default=0) // max(1, world)
     parts = (("activations", activations), ("stationary weights", stationary * weight_bytes),
-             ("GPU optimizer state", gpu_state * 12 // max(1, world) + gpu_state * weight_bytes),
+             ("GPU optimizer state", master_and_moments // max(1, world) + gpu_state * weight_bytes),
              ("gradient staging", staging),
              ("weight-flow buffers", flow_buffers), ("upload staging", upload))
     if world > 1:   # device-side ZeRO of the CPU buckets, stationary and flow (runtime/sharded_bucket.py)
@@ -215,12 +218,13 @@ def runtime_device_bytes(plan, ir, align: int | None = None) -> dict:
     weight_bytes = plan.prediction("param_dtype_bytes", 4)
     world = plan_world(plan)
     stationary = state = 0
+    layout = HostLayout(moment_dtype=format_of(plan.prediction("moment_bytes", 4)))   # the device moments' format
     flow_bytes = flow_bytes_of(plan.buckets, ir, align, world)   # the flow buffers the floor walks, as allocated
     for b in plan.buckets:
         n = padded_numel([ir.params[p].numel for p in b.params], align)
         if b.optimizer_site == "device":   # its buffers as the runtime makes them (plan/bucket_buffers.py): fp32
             # master, gradient, exp_avg, exp_avg_sq; bf16/fp16 weights: a device copy cast from that master
-            for spec in bucket_buffers(bucket_storage(b, weight_dtype(plan)), n):
+            for spec in bucket_buffers(bucket_storage(b, weight_dtype(plan), layout), n):
                 if spec.name == WEIGHTS_BUFFER:
                     stationary += spec.nbytes
                 else:

@@ -49,7 +49,8 @@ def _device(ctx: _Context, buckets) -> MemoryEstimate:
     """Device memory of a placement; its flow buffers and gradients as the step holds them, node by node."""
     return device_memory(buckets, ctx.weight_bytes, ctx.activations, ctx.activations_expr, ctx.unoptimized_numel,
                          world=ctx.world, step=step_peak(buckets, ctx.ir, ctx.weight_bytes, ctx.flow_spans,
-                                                         ctx.world, ctx.costs.partial_gradients))
+                                                         ctx.world, ctx.costs.partial_gradients),
+                         moment_dtype=ctx.options.moment_dtype or "float32")
 
 
 def _compact_buckets(ctx: _Context, buckets) -> set[int]:

@@ -15,6 +15,7 @@ import torch
 from ..plan.host_work import ADAM_KERNEL, INVERSE_STEP, NORM_PASS, adam_kernel_bytes, norm_pass_bytes
 from . import ranges
 from .flat_bucket import FlatBucket
+from .int8_moments import round_seed
 
 # The kernel's thread count is one process-wide setting (socompile_ext.KernelSettings). A bucket whose compiled
 # model pinned it (option optimizer_threads) sets it for its own kernel calls only; every kernel call holds this
@@ -48,15 +49,6 @@ def _torch_ops(bucket: FlatBucket) -> bool:
     """The socompile kernel steps fp32 host buffers; a device-stepped bucket (buffers on a GPU) and a float64
     one (float64 parameters keep float64 state) are stepped with torch's own ops (runtime/device_adam.py)."""
     return bucket.master.device.type != "cpu" or bucket.master.dtype != torch.float32
-
-
-def round_seed(bucket_index: int, step: int, start: int) -> int:
-    """The seed of a run's stochastic rounding of bf16 or int8 moments. The kernel draws element i's bits from
-    hash(seed + i * 0x9E3779B9); adding ``start`` steps of that stride makes them a function of (bucket, step,
-    bucket element) alone, so a bucket cut into other runs (a ZeRO window, a parameter without a gradient)
-    rounds each element alike. A step redone after a clip draws the same bits: its rounding is repeatable."""
-    base = (step * 0x85EBCA77 + bucket_index * 0xC2B2AE3D) & 0xFFFFFFFF
-    return (base + start * 0x9E3779B9) & 0xFFFFFFFF
 
 
 def _hyper(group: dict, step: int) -> dict:

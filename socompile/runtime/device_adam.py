@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from .int8_moments import decode, encode_moments, round_bits, round_seed, stochastic_bf16
 from .traffic import DEVICE_READ
 
 
@@ -67,10 +68,14 @@ def _device_blocks(bucket):
 
 
 def fused_step(bucket, groups: list[dict], grad_scale: float = 1.0, outputs=None) -> DeviceStats:
+    """bf16 or int8 moments (``bucket.moments_rounded``): each run's moments are decoded into fp32 temporaries,
+    stepped, and rounded back stochastically with the bits the CPU kernel draws for the same elements and step
+    (socompile/runtime/int8_moments.py, torch ops on the buffers' device)."""
     used = []
     for start, end, gi, step in bucket.runs(bucket.group_of):
         group = groups[gi]
-        p, m, v = _state_slices(bucket, start, end, outputs)
+        p, stored_m, stored_v = _state_slices(bucket, start, end, outputs)
+        m, v = _decoded(bucket.moment_format, stored_m, stored_v, end - start)
         used.append(bucket.grad[start:end])
         g = used[-1] * grad_scale if grad_scale != 1.0 else used[-1]
         beta1, beta2 = group["betas"]
@@ -81,17 +86,43 @@ def fused_step(bucket, groups: list[dict], grad_scale: float = 1.0, outputs=None
         kernel([p], [g], [m], [v], [], steps, amsgrad=False, lr=float(group["lr"]), beta1=float(beta1),
                beta2=float(beta2), weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
                maximize=False)
+        if bucket.moments_rounded:
+            _store_rounded(bucket.moment_format, stored_m, stored_v, m, v, round_seed(bucket.index, step, start))
     return DeviceStats(used, grad_scale, _device_blocks(bucket))
+
+
+def _decoded(moment_format: str, m: torch.Tensor, v: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 moments of a run of ``n`` elements: the buffers themselves (fp32, float64), or new fp32 tensors of
+    bf16 values or decoded int8 blocks."""
+    if moment_format == "int8":
+        return decode(m, n, signed=True), decode(v, n, signed=False)
+    return (m.float(), v.float()) if m.dtype == torch.bfloat16 else (m, v)
+
+
+def _store_rounded(moment_format: str, stored_m: torch.Tensor, stored_v: torch.Tensor, m: torch.Tensor,
+                   v: torch.Tensor, seed: int) -> None:
+    """Round a run's stepped fp32 moments into its bf16 or int8 buffers, as the CPU kernel rounds (exp_avg the
+    low 16 bits of each element's hash, exp_avg_sq the high 16)."""
+    if moment_format == "int8":
+        codes_m, codes_v = encode_moments(m, v, seed)
+        stored_m.copy_(codes_m)
+        stored_v.copy_(codes_v)
+        return
+    bits = round_bits(seed, 0, m.numel(), m.device)
+    stored_m.copy_(stochastic_bf16(m, bits))
+    stored_v.copy_(stochastic_bf16(v, bits >> 16))
 
 
 def _state_slices(bucket, start: int, end: int, outputs):
     """(weights, exp_avg, exp_avg_sq) of bucket elements [start, end) that the step updates in place: the
     bucket's own, or with ``outputs`` (the spare) the spare's, first filled with the current values."""
     loc = bucket.local(start, end)
-    current = (bucket.master[start:end], bucket.exp_avg[loc], bucket.exp_avg_sq[loc])
+    current = (bucket.master[start:end], bucket.moment_range(bucket.exp_avg, loc),
+               bucket.moment_range(bucket.exp_avg_sq, loc))
     if outputs is None:
         return current
-    spare = tuple(buffer[loc] for buffer in outputs)   # indexed like the state (a sharded spare: its window)
+    # indexed like the state (a sharded spare: its window)
+    spare = (outputs[0][loc], bucket.moment_range(outputs[1], loc), bucket.moment_range(outputs[2], loc))
     for dst, src in zip(spare, current):
         dst.copy_(src)
     return spare

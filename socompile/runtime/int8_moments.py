@@ -1,5 +1,7 @@
-"""int8 Adam moments in torch ops: the reference the CPU kernel reproduces bit for bit, and the conversions to
-and from torch's fp32 layout (state_dict, load). The format is socompile/moment_format.py's; the rules of one block:
+"""Rounded Adam moments in torch ops: the seeds and bits of the CPU kernel's stochastic rounding, bf16 rounding
+with them, and int8 blocks: the reference the CPU kernel reproduces bit for bit, the conversions to and from
+torch's fp32 layout (state_dict, load), and what a device-stepped bucket's torch step rounds with
+(runtime/device_adam.py). The format is socompile/moment_format.py's; the rules of one int8 block:
 
     decode   m_i = code_i (int8) * scale_m            w_i = code_i (uint8) * scale_v,  v_i = w_i * w_i
     encode   scale_m = max|m_i| / 127                 scale_v = max w_i / 255 with w_i = sqrt(v_i)
@@ -22,9 +24,18 @@ from ..moment_format import QBLOCK, QBLOCK_BYTES
 _M32 = 0xFFFFFFFF
 
 
-def round_bits(seed: int, start: int, n: int) -> torch.Tensor:
-    """socx_round_bits(seed, i) for i in [start, start + n), as int64 holding uint32 values."""
-    x = (seed + torch.arange(start, start + n, dtype=torch.int64) * 0x9E3779B9) & _M32
+def round_seed(bucket_index: int, step: int, start: int) -> int:
+    """The seed of a run's stochastic rounding of bf16 or int8 moments. The kernel draws element i's bits from
+    hash(seed + i * 0x9E3779B9); adding ``start`` steps of that stride makes them a function of (bucket, step,
+    bucket element) alone, so a bucket cut into other runs (a ZeRO window, a parameter without a gradient)
+    rounds each element alike. A step redone after a clip draws the same bits: its rounding is repeatable."""
+    base = (step * 0x85EBCA77 + bucket_index * 0xC2B2AE3D) & 0xFFFFFFFF
+    return (base + start * 0x9E3779B9) & 0xFFFFFFFF
+
+
+def round_bits(seed: int, start: int, n: int, device=None) -> torch.Tensor:
+    """socx_round_bits(seed, i) for i in [start, start + n), as int64 holding uint32 values, on ``device``."""
+    x = (seed + torch.arange(start, start + n, dtype=torch.int64, device=device) * 0x9E3779B9) & _M32
     x ^= x >> 16
     x = (x * 0x7FEB352D) & _M32
     x ^= x >> 15
@@ -61,7 +72,7 @@ def _sqrt(x: torch.Tensor) -> torch.Tensor:
 def _padded(x: torch.Tensor) -> torch.Tensor:
     n = x.numel()
     blocks = -(-n // QBLOCK)
-    out = torch.zeros(blocks * QBLOCK, dtype=torch.float32)
+    out = torch.zeros(blocks * QBLOCK, dtype=torch.float32, device=x.device)
     out[:n] = x.reshape(-1)
     return out.view(blocks, QBLOCK)
 
@@ -93,7 +104,7 @@ def encode(values: torch.Tensor, signed: bool, bits: torch.Tensor) -> torch.Tens
         q = torch.where((q == 0) & (x > 0), torch.ones_like(q), q)
         codes = q.to(torch.uint8)
     blocks = x.shape[0]
-    out = torch.empty(blocks, QBLOCK_BYTES, dtype=torch.uint8)
+    out = torch.empty(blocks, QBLOCK_BYTES, dtype=torch.uint8, device=x.device)
     out[:, :QBLOCK] = codes
     out[:, QBLOCK:] = scale.contiguous().view(torch.uint8).view(blocks, 4)
     flat = out.view(-1)
@@ -105,5 +116,14 @@ def encode(values: torch.Tensor, signed: bool, bits: torch.Tensor) -> torch.Tens
 def encode_moments(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, seed: int, start: int = 0):
     """Both moments of elements [start, start + n) packed, with the bits the kernel draws for round_seed ``seed``
     at call index ``start``."""
-    bits = round_bits(seed, start, exp_avg.numel())
+    bits = round_bits(seed, start, exp_avg.numel(), exp_avg.device)
     return encode(exp_avg, True, bits), encode(exp_avg_sq, False, bits)
+
+
+def stochastic_bf16(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` rounded to bf16 as the kernel's bf16 moments are (socx_f32_to_bf16_sr): the low 16 bits of
+    ``bits`` added below the kept bits, then truncated; NaN stays NaN (0xFFFF)."""
+    u = x.float().contiguous().view(torch.int32).to(torch.int64) & _M32
+    t = ((u + (bits & 0xFFFF)) >> 16) & 0xFFFF
+    t = torch.where(torch.isnan(x), torch.full_like(t, 0xFFFF), t)
+    return (t - (t >= 0x8000).to(torch.int64) * 0x10000).to(torch.int16).view(torch.bfloat16)
