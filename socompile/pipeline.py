@@ -105,12 +105,16 @@ def plan_once(ctx: CompileContext) -> None:
 
 def planning_options(ctx: CompileContext):
     """The options the planner sees: ``clipping``, ``host_master`` and ``moment_dtype`` left unset are the owning
-    optimizer's (max_grad_norm set or not; its resolved host_master; its moment_dtype), so the plan optimises and
-    counts the step that will run."""
+    optimizer's (max_grad_norm set or not; its resolved host_master; its moment_dtype), and runtime "auto" the
+    runtime this compile resolves it to, so the plan optimises and counts the step that will run (the host
+    layout it counts depends on the runtime: plan/rollback.py ``host_layout``)."""
     import dataclasses
     if ctx.optimizer is None:
         return ctx.options
     facts = {}
+    if ctx.options.runtime == "auto":
+        from .runtime.device import resolve_runtime
+        facts["runtime"] = resolve_runtime("auto")
     if ctx.options.clipping is None:
         facts["clipping"] = getattr(ctx.optimizer, "max_grad_norm", None) is not None
     if ctx.options.host_master is None and getattr(ctx.optimizer, "host_master", None) in ("shared", "separate"):

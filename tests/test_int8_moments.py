@@ -165,7 +165,8 @@ def test_the_ledgers_count_int8_moments_as_the_plan_does(monkeypatch, runtime, d
                                                  host_is_device=runtime == "cpu", moment_bytes=1.25)
 
 
-@pytest.mark.parametrize("moments", ["int8", torch.bfloat16])
+# bf16: -m slow (its GPU buckets train in the default suite, tests/test_moment_dtype.py, with the same layout code)
+@pytest.mark.parametrize("moments", ["int8", pytest.param(torch.bfloat16, marks=pytest.mark.slow)])
 def test_device_stepped_buckets_hold_the_moment_format_the_plan_counts(monkeypatch, moments):
     """GPU buckets (device-stepped, emulated device) keep their moments in the optimizer's format: the device
     ledger holds what the plan's runtime walk predicts, and the planner's device estimate counts the same master
@@ -298,9 +299,22 @@ def _zero_worker(args: dict) -> dict:
     held = sum(t.numel() for b in opt.buckets for t in (b.exp_avg, b.exp_avg_sq))
     whole = sum(t.numel() for b in ref_opt.buckets for t in (b.exp_avg, b.exp_avg_sq))
     digest = [float(p.double().sum()) for p in model.parameters()]
+    # a compile lays the buckets out again (its plan's buckets): the ranks gather the blocks (unshard_state) and
+    # the new windows take theirs, so the state in torch's layout is unchanged
+    layout = [(b.numel, tuple(b.offsets)) for b in opt.buckets]
+    backend = socompile.SuperOffload({"compute": "eager", "gpu_buckets": 0, "bucket_size": "2KB",
+                                      "dp_degree": topo.world_size})
+    torch.compile(model, backend=backend)(torch.randn(8, 7, generator=gen)).square().mean().backward()
+    relaid = [(b.numel, tuple(b.offsets)) for b in opt.buckets] != layout
+    again = full_optimizer_state_dict(opt)
+    if topo.dp_rank == 0:
+        same_relaid = all(torch.equal(again["state"][k][key], gathered["state"][k][key])
+                          for k in gathered["state"] for key in ("exp_avg", "exp_avg_sq"))
+    opt.zero_grad()
     sd.shutdown()
     return {"same_weights": same_weights, "same_blocks": bool(same_blocks), "straddling": straddling,
-            "same_loaded": same_loaded, "unaligned": unaligned,
+            "same_loaded": same_loaded, "unaligned": unaligned, "relaid": relaid,
+            "same_relaid": same_relaid if topo.dp_rank == 0 else True,
             "same_gathered": same_gathered if topo.dp_rank == 0 else True, "held": held, "whole": whole,
             "digest": digest, "formats": sorted({b.moment_format for b in opt.buckets})}
 
@@ -309,11 +323,11 @@ def test_zero_dp2_with_int8_moments_equals_one_process_byte_for_byte(tmp_path):
     """Windows start at 16-element blocks (plan/bucket_buffers.py zero_block), so ZeRO steps, gathers and saves
     whole blocks: the sharded weights and blocks equal one process's byte for byte (the worker says why no
     tolerance is needed); the gathered torch-layout state is the unsharded state_dict(); a sharded checkpoint,
-    loaded into one process, encodes the saved fp32 moments as loading that torch-layout state does."""
-    from socompile.distributed.checkpoint import load
+    loaded by two ranks or one process, encodes the saved fp32 moments as loading that torch-layout state does;
+    a compile's new bucket layout keeps the state."""
+    from socompile.distributed.checkpoint import load, save
     from socompile.distributed.launch import run_local
     from dist_helpers import assert_ranks_ok
-    from socompile.distributed.checkpoint import save
     args = {"steps": 4, "gathered": str(tmp_path / "gathered.pt"), "checkpoint": str(tmp_path / "ckpt"),
             "fp32 checkpoint": str(tmp_path / "fp32"), "fp32 state": str(tmp_path / "fp32.pt")}
     model = _odd_mlp()
@@ -330,6 +344,7 @@ def test_zero_dp2_with_int8_moments_equals_one_process_byte_for_byte(tmp_path):
     for r in out:
         assert r["formats"] == ["int8"]
         assert r["same_weights"] and r["same_blocks"] and r["same_gathered"] and r["same_loaded"], r
+        assert r["relaid"] and r["same_relaid"], r
     assert out[0]["straddling"] > 0, "the test needs a parameter cut between the two ranks' windows"
     assert out[0]["unaligned"] > 0, "the test needs a bucket whose half is not whole blocks"
     assert out[0]["digest"] == out[1]["digest"], "ranks must hold bitwise identical weights"
