@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from .int8_moments import decode, encode_moments, round_bits, round_seed, stochastic_bf16
+from .int8_moments import as_fp32, encode_moments, round_bits, round_seed, stochastic_bf16
 from .traffic import DEVICE_READ
 
 
@@ -75,7 +75,7 @@ def fused_step(bucket, groups: list[dict], grad_scale: float = 1.0, outputs=None
     for start, end, gi, step in bucket.runs(bucket.group_of):
         group = groups[gi]
         p, stored_m, stored_v = _state_slices(bucket, start, end, outputs)
-        m, v = _decoded(bucket.moment_format, stored_m, stored_v, end - start)
+        m, v = as_fp32(bucket.moment_format, stored_m, stored_v, end - start)
         used.append(bucket.grad[start:end])
         g = used[-1] * grad_scale if grad_scale != 1.0 else used[-1]
         beta1, beta2 = group["betas"]
@@ -89,14 +89,6 @@ def fused_step(bucket, groups: list[dict], grad_scale: float = 1.0, outputs=None
         if bucket.moments_rounded:
             _store_rounded(bucket.moment_format, stored_m, stored_v, m, v, round_seed(bucket.index, step, start))
     return DeviceStats(used, grad_scale, _device_blocks(bucket))
-
-
-def _decoded(moment_format: str, m: torch.Tensor, v: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 moments of a run of ``n`` elements: the buffers themselves (fp32, float64), or new fp32 tensors of
-    bf16 values or decoded int8 blocks."""
-    if moment_format == "int8":
-        return decode(m, n, signed=True), decode(v, n, signed=False)
-    return (m.float(), v.float()) if m.dtype == torch.bfloat16 else (m, v)
 
 
 def _store_rounded(moment_format: str, stored_m: torch.Tensor, stored_v: torch.Tensor, m: torch.Tensor,

@@ -155,7 +155,7 @@ class FlatBucket(HostMasterCopies):
             self._shard_after_adopt = shard
         elif sharded_now:
             self.rank_world = shard
-            self.window = shard_window(total, *shard, zero_block(self.storage))
+            self.window = shard_window(total, *shard, self.zero_block)
             self.state_lo = self.window[0]
         self.exp_avg = self.make_buffer(EXP_AVG_BUFFER)
         self.exp_avg_sq = self.make_buffer(EXP_AVG_SQ_BUFFER)
@@ -298,25 +298,25 @@ class FlatBucket(HostMasterCopies):
         """Parameter i's current (exp_avg, exp_avg_sq) in torch's layout: fp32, of its ``held(i)`` elements
         (shaped like the parameter when the bucket is not sharded, else flat); new tensors for bf16 and int8
         moments, views of the buffers otherwise."""
-        m, v = self.moment_part(self.exp_avg, i), self.moment_part(self.exp_avg_sq, i)
-        if self.moment_format == "int8":
-            from .int8_moments import decode
-            a, b = self.held(i) or (0, 0)
-            m, v = decode(m, b - a, signed=True), decode(v, b - a, signed=False)
-            return (m, v) if self.sharded else (m.view(self.params[i].shape), v.view(self.params[i].shape))
-        return (m.float(), v.float()) if m.dtype == torch.bfloat16 else (m, v)
+        from .int8_moments import as_fp32
+        a, b = self.held(i) or (0, 0)
+        m, v = as_fp32(self.moment_format, self.moment_part(self.exp_avg, i), self.moment_part(self.exp_avg_sq, i),
+                       b - a)
+        if self.moment_format == "int8" and not self.sharded:   # decoded flat: shaped like the others' views
+            return m.view(self.params[i].shape), v.view(self.params[i].shape)
+        return m, v
 
     def whole_moment_values(self, i: int, exp_avg: torch.Tensor,
                             exp_avg_sq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Parameter i's (exp_avg, exp_avg_sq) in torch's layout (new fp32 tensors shaped like it) from whole
         moment buffers of this bucket's format (gathered from every ZeRO rank)."""
+        from .int8_moments import as_fp32
         if self.moment_format == "int8":
-            from .int8_moments import decode
             seg, shape = self.segment(i), self.params[i].shape
-            return (decode(self.moment_range(exp_avg, seg), self.sizes[i], signed=True).view(shape),
-                    decode(self.moment_range(exp_avg_sq, seg), self.sizes[i], signed=False).view(shape))
-        m, v = self._shaped(exp_avg, i), self._shaped(exp_avg_sq, i)
-        return (m.float(), v.float()) if m.dtype == torch.bfloat16 else (m.clone(), v.clone())
+            m, v = as_fp32("int8", self.moment_range(exp_avg, seg), self.moment_range(exp_avg_sq, seg), self.sizes[i])
+            return m.view(shape), v.view(shape)
+        m, v = as_fp32(self.moment_format, self._shaped(exp_avg, i), self._shaped(exp_avg_sq, i), self.sizes[i])
+        return m.clone(), v.clone()
 
     def moment_buffer_elements(self, elements: int) -> int:
         """Elements of a moment buffer of this bucket's format holding ``elements`` parameters (int8: bytes)."""
@@ -401,7 +401,7 @@ class FlatBucket(HostMasterCopies):
         if layout == "chunk":                               # master, gradients and state for the chunk; collectives
             narrow_to_device_shard(self, rank, world)      # on the device
             return
-        lo, hi = self.window = shard_window(self.numel, rank, world, zero_block(self.storage))
+        lo, hi = self.window = shard_window(self.numel, rank, world, self.zero_block)
         whole = (self.exp_avg, self.exp_avg_sq)
         self.exp_avg, self.exp_avg_sq = self.make_buffer(EXP_AVG_BUFFER), self.make_buffer(EXP_AVG_SQ_BUFFER)
         for mine, t in zip((self.exp_avg, self.exp_avg_sq), whole):

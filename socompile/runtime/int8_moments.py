@@ -120,6 +120,15 @@ def encode_moments(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, seed: int, s
     return encode(exp_avg, True, bits), encode(exp_avg_sq, False, bits)
 
 
+def as_fp32(moment_format: str, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+            n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 values of ``n`` elements' moments stored in ``moment_format``: int8 blocks decoded (flat), bf16
+    upcast (new tensors), fp32 or float64 the tensors themselves."""
+    if moment_format == "int8":
+        return decode(exp_avg, n, signed=True), decode(exp_avg_sq, n, signed=False)
+    return (exp_avg.float(), exp_avg_sq.float()) if exp_avg.dtype == torch.bfloat16 else (exp_avg, exp_avg_sq)
+
+
 def stochastic_bf16(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """fp32 ``x`` rounded to bf16 as the kernel's bf16 moments are (socx_f32_to_bf16_sr): the low 16 bits of
     ``bits`` added below the kept bits, then truncated; NaN stays NaN (0xFFFF)."""
